@@ -1,0 +1,163 @@
+"""Sampler: logits [B, V] -> one token id per row (+ logprobs of the raw distribution).
+
+Order: raw logprobs, min_tokens blocking, repetition penalty, presence/frequency penalties,
+temperature, top-k, top-p, min-p, sample. Greedy rows take argmax (ties -> lowest id).
+Random rows use the exponential race argmax(p / q), q ~ Exp(1): a seeded row draws q from its
+own generator only, so its result does not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.sampling_metadata import SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    # Per row: [logprob of the sampled token] or None when the request did not ask for logprobs.
+    # A list per row to match ModelRunnerOutput.logprobs (several tokens per step later).
+    logprobs: list[list[TokenLogprob] | None]
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        md = metadata
+        # float32 always; a fresh copy because the steps below work in place.
+        logits = logits.to(torch.float32, copy=True)
+        # Raw logprobs come before any processing: they are what users compare to transformers.
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+
+        if not md.needs_processing:
+            sampled = logits.argmax(dim=-1)
+        else:
+            apply_min_tokens(logits, md)
+            apply_penalties(logits, md)
+            if md.all_greedy:
+                sampled = logits.argmax(dim=-1)
+            else:
+                greedy = None if md.all_random else logits.argmax(dim=-1)
+                logits.div_(md.temperature.unsqueeze(1))
+                apply_top_k_top_p(logits, md.top_k, md.top_p)
+                probs = torch.softmax(logits, dim=-1)
+                apply_min_p(probs, md.min_p)
+                sampled = exponential_race(probs, md)
+                if greedy is not None:
+                    sampled = torch.where(md.greedy_mask, greedy, sampled)
+
+        logprobs: list[list[TokenLogprob] | None] = [None] * md.batch_size
+        if raw_logprobs is not None:
+            rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
+            idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+            entries = to_token_logprobs(raw_logprobs[idx], sampled[idx],
+                                        [md.num_logprobs[i] for i in rows])
+            for i, e in zip(rows, entries):
+                logprobs[i] = [e]
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    if md.min_tokens_block is not None:
+        rows, cols = md.min_tokens_block
+        keep = cols < logits.shape[1]  # an id outside the model vocab cannot be sampled anyway
+        logits[rows[keep], cols[keep]] = _NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    if md.no_penalties:
+        return
+    b, v = logits.shape
+    out_counts = _counts(md.output_token_ids, b, v)
+    if md.prompt_token_ids is not None:
+        # HF repetition penalty over every token seen (prompt + output): shrink towards 0 side.
+        seen = (_counts(md.prompt_token_ids, b, v) > 0) | (out_counts > 0)
+        rp = md.repetition_penalty.unsqueeze(1).expand(b, v)
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits.copy_(torch.where(seen, penalized, logits))
+    # OpenAI semantics over output tokens only.
+    logits.sub_(md.frequency_penalty.unsqueeze(1) * out_counts)
+    logits.sub_(md.presence_penalty.unsqueeze(1) * (out_counts > 0).to(logits.dtype))
+
+
+def _counts(token_ids: torch.Tensor, b: int, v: int) -> torch.Tensor:
+    """[B, L] ids padded with -1 -> [B, V] float32 occurrence counts (pad goes to column V)."""
+    ids = token_ids.masked_fill(token_ids < 0, v).clamp_max(v)
+    counts = torch.zeros(b, v + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :v]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> None:
+    """Mask (in place) tokens outside top-k and outside the top-p nucleus, with one sort."""
+    if top_k is None and top_p is None:
+        return
+    v = logits.shape[1]
+    values, order = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(values, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, v).clamp(1, v)
+        kth = values.gather(1, (k - 1).unsqueeze(1))
+        remove |= values < kth  # ties with the k-th value are kept
+    if top_p is not None:
+        probs = torch.softmax(values.masked_fill(remove, _NEG_INF), dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        # Keep the smallest prefix reaching top_p; rows with top_p == 1 are left alone (rounding).
+        remove |= (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    logits.masked_fill_(remove.scatter(1, order, remove), _NEG_INF)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor | None) -> None:
+    if min_p is None:
+        return
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    probs.masked_fill_(probs < threshold, 0.0)
+
+
+def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """argmax(p / q), q ~ Exp(1): a sample from p. Greedy rows draw nothing (their generator
+    state stays untouched); rows without a generator share torch's default one."""
+    b, v = probs.shape
+    q = torch.ones_like(probs)
+    greedy = [False] * b if md.greedy_mask is None else md.greedy_mask.tolist()
+    shared = [i for i in range(b) if not greedy[i] and md.generators[i] is None]
+    if shared:
+        noise = torch.empty(len(shared), v, dtype=torch.float32, device=probs.device).exponential_()
+        q[torch.tensor(shared, device=probs.device)] = noise
+    for i, g in enumerate(md.generators):
+        if g is not None and not greedy[i]:
+            q[i].exponential_(generator=g)
+    # q == 0 would turn a zero-probability token into 0/0 = nan (which argmax picks).
+    return probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+
+
+def to_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                      ks: list[int]) -> list[TokenLogprob]:
+    """Rows of log-probabilities [N, V] -> TokenLogprob of token_ids[n] with its top-ks[n]."""
+    if logprobs.shape[0] == 0:
+        return []
+    chosen = logprobs.gather(1, token_ids.view(-1, 1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    max_k = max(ks)
+    top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k > 0 else (None, None)
+    chosen_l, ranks_l, ids_l = chosen.view(-1).tolist(), ranks.tolist(), token_ids.tolist()
+    tv = top_vals.tolist() if top_vals is not None else None
+    ti = top_ids.tolist() if top_ids is not None else None
+    out = []
+    for n, k in enumerate(ks):
+        top = list(zip(ti[n][:k], tv[n][:k])) if k > 0 else []
+        out.append(TokenLogprob(token_id=ids_l[n], logprob=chosen_l[n], rank=ranks_l[n], top=top))
+    return out
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor | list[int],
+                            k: int) -> list[TokenLogprob]:
+    """Logprob of each target token under the logits at the position before it ([T, V], [T])."""
+    targets = torch.as_tensor(target_token_ids, dtype=torch.int64, device=logits.device)
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return to_token_logprobs(logprobs, targets, [k] * targets.shape[0])

@@ -1,0 +1,127 @@
+"""Batched sampling state for one step, built once by the model runner from per-request state.
+
+Everything the sampler needs travels in this one object (principle 7). Tensors that only some
+features need (penalties, top-k/p, min-p, min_tokens blocking) are built only when a request in
+the batch uses them, so the common all-greedy batch is just an argmax.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_PAD = -1  # padding of the token-id tables; mapped to a spare column by the sampler
+
+
+@dataclass
+class SamplingMetadata:
+    batch_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None  # [B] bool, only for mixed batches
+    temperature: torch.Tensor | None  # [B] float32, greedy rows set to 1.0 (never divided by 0)
+    top_k: torch.Tensor | None  # [B] int64, 0 = disabled
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    # Per-row generator; None rows draw from the shared one (torch's default RNG).
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    # Penalties (None when no request in the batch uses any).
+    repetition_penalty: torch.Tensor | None = None  # [B] float32
+    presence_penalty: torch.Tensor | None = None  # [B] float32
+    frequency_penalty: torch.Tensor | None = None  # [B] float32
+    prompt_token_ids: torch.Tensor | None = None  # [B, Lp] int64, padded with -1
+    output_token_ids: torch.Tensor | None = None  # [B, Lo] int64, padded with -1
+    # (row, token) pairs whose logits are set to -inf because output length < min_tokens.
+    min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Logprobs: per-row k (None = not requested) and the batch maximum (None = nobody asked).
+    num_logprobs: list[int | None] = field(default_factory=list)
+    max_num_logprobs: int | None = None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalty is None
+
+    @property
+    def needs_processing(self) -> bool:
+        """False when sampled ids are just argmax of the raw logits."""
+        return not (self.all_greedy and self.no_penalties and self.min_tokens_block is None)
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None] | None = None,
+        eos_token_ids: list[int | list[int] | None] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> "SamplingMetadata":
+        b = len(params)
+        generators = list(generators) if generators is not None else [None] * b
+        eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else [None] * b
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(eos_token_ids) == b
+
+        greedy = [p.greedy for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = top_k = top_p = min_p = greedy_mask = None
+        if not all_greedy:
+            temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
+            if not all_random:
+                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+            # Filters only matter for random rows; greedy rows get neutral values.
+            if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
+                top_k = torch.tensor([0 if g else p.top_k for p, g in zip(params, greedy)],
+                                     dtype=torch.int64, device=device)
+            if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
+                top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+            if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
+                min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy)])
+
+        md = cls(
+            batch_size=b, all_greedy=all_greedy, all_random=all_random, greedy_mask=greedy_mask,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators,
+        )
+
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+               for p in params):
+            md.repetition_penalty = f32([p.repetition_penalty for p in params])
+            md.presence_penalty = f32([p.presence_penalty for p in params])
+            md.frequency_penalty = f32([p.frequency_penalty for p in params])
+            # The prompt table is only needed for the repetition penalty (prompt + output seen).
+            if any(p.repetition_penalty != 1.0 for p in params):
+                md.prompt_token_ids = _pad(prompt_token_ids, device)
+            md.output_token_ids = _pad(output_token_ids, device)
+
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, out, eos) in enumerate(zip(params, output_token_ids, eos_token_ids)):
+            if len(out) >= p.min_tokens:
+                continue
+            blocked = set(p.stop_token_ids)
+            if eos is not None:  # blocked even with ignore_eos: harmless and simpler
+                blocked.update([eos] if isinstance(eos, int) else eos)
+            rows += [i] * len(blocked)
+            cols += sorted(blocked)
+        if rows:
+            md.min_tokens_block = (torch.tensor(rows, dtype=torch.int64, device=device),
+                                   torch.tensor(cols, dtype=torch.int64, device=device))
+
+        md.num_logprobs = [p.logprobs for p in params]
+        requested = [k for k in md.num_logprobs if k is not None]
+        md.max_num_logprobs = max(requested) if requested else None
+        return md
+
+
+def _pad(rows: list[list[int]], device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), _PAD, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device)
