@@ -1,0 +1,93 @@
+"""Build the step's token batch and attention metadata from the runner's request states.
+
+Decode rows (one new token) come first, grouped by context length into a few buckets so
+the padded gather stays close to the real context; prefill chunks follow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.layers.attention.metadata import AttentionMetadata, DecodeBucket, PrefillChunk
+from engine.runner_state import RunnerRequestState
+
+_BUCKET_OVERHEAD_BLOCKS = 48  # cost of one extra SDPA call, in padded blocks
+_MAX_BUCKETS = 4
+
+
+@dataclass
+class StepBatch:
+    request_ids: list[str]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last_rows: list[int]  # row of each request's last scheduled token
+    starts: list[int]  # first row of each request
+    counts: list[int]  # scheduled tokens of each request
+
+
+def _split_buckets(blocks: list[int]) -> list[tuple[int, int]]:
+    """Partition a sorted list into <= _MAX_BUCKETS runs minimising padded blocks + overhead."""
+    n = len(blocks)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(_MAX_BUCKETS + 1)]
+    prev = [[0] * (n + 1) for _ in range(_MAX_BUCKETS + 1)]
+    best[0][0] = 0
+    for k in range(1, _MAX_BUCKETS + 1):
+        for j in range(1, n + 1):
+            for i in range(j):
+                c = best[k - 1][i] + (j - i) * blocks[j - 1] + _BUCKET_OVERHEAD_BLOCKS
+                if c < best[k][j]:
+                    best[k][j], prev[k][j] = c, i
+    k = min(range(1, _MAX_BUCKETS + 1), key=lambda kk: best[kk][n])
+    runs, j = [], n
+    while k > 0:
+        i = prev[k][j]
+        runs.append((i, j))
+        j, k = i, k - 1
+    return runs[::-1]
+
+
+def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_size: int, device) -> StepBatch:
+    bs = block_size
+    decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: states[i].num_computed_tokens)
+    prefill = [i for i, n in enumerate(counts) if n > 1]
+    order = decode + prefill
+    ids, pos, slots = [], [], []
+    starts, last_rows = [], []
+    for i in order:
+        st, n = states[i], counts[i]
+        nc = st.num_computed_tokens
+        starts.append(len(ids))
+        ids.extend(st.token_slice(nc, nc + n))
+        pos.extend(range(nc, nc + n))
+        slots.extend(st.block_ids[p // bs] * bs + p % bs for p in range(nc, nc + n))
+        last_rows.append(len(ids) - 1)
+    meta = AttentionMetadata(block_size=bs, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                             num_decode_tokens=len(decode))
+    if decode:
+        nblocks = [(states[i].num_computed_tokens + bs) // bs for i in decode]
+        for a, b in _split_buckets(nblocks):
+            maxb = nblocks[b - 1]
+            flat = []
+            for i in decode[a:b]:
+                blk = states[i].block_ids[:maxb]
+                flat.extend(blk + [0] * (maxb - len(blk)))
+            seq = torch.tensor([states[i].num_computed_tokens + 1 for i in decode[a:b]], device=device)
+            mask = torch.arange(maxb * bs, device=device)[None, :] < seq[:, None]
+            meta.decode_buckets.append(DecodeBucket(a, b, torch.tensor(flat, dtype=torch.long, device=device), maxb, mask[:, None, None, :]))
+    for k, i in enumerate(prefill, start=len(decode)):
+        st, n = states[i], counts[i]
+        nc = st.num_computed_tokens
+        nblk = -(-(nc + n) // bs)
+        mask = None
+        if nc > 0:
+            q = torch.arange(n, device=device)[:, None] + nc
+            mask = torch.arange(nc + n, device=device)[None, :] <= q
+        meta.prefills.append(PrefillChunk(starts[k], n, nc, torch.tensor(st.block_ids[:nblk], dtype=torch.long, device=device), mask))
+    return StepBatch(
+        request_ids=[states[i].request_id for i in order],
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(pos, dtype=torch.long, device=device),
+        meta=meta, last_rows=last_rows, starts=starts, counts=[counts[i] for i in order])

@@ -1,0 +1,51 @@
+"""Engine configuration: frozen dataclasses checked at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks: int | None = None  # set directly (tests) instead of the memory budget
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise InvalidRequestError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise InvalidRequestError("kv_cache_memory_bytes must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    policy: str = "fcfs"  # or "priority"
+    long_prefill_token_threshold: int = 0  # 0: no cap per request per step
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be >= 1")
+        if self.policy not in ("fcfs", "priority"):
+            raise InvalidRequestError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError("tensor_parallel_size must be >= 1")
+        if not 0 <= self.rank < self.tensor_parallel_size:
+            raise InvalidRequestError(f"rank {self.rank} outside tp={self.tensor_parallel_size}")

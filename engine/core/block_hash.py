@@ -1,0 +1,52 @@
+"""Prefix-cache block hashes: hash(parent hash, block token ids, extra keys).
+
+The hash is the full 256-bit SHA-256 digest as a Python int: collision-safe, so a hit needs no
+token comparison, and stable across processes and machines (unlike `hash()`), so the router can
+compute the very hashes the engines cache under.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence
+
+from engine.request import Request
+
+_NONE_PARENT = b"\x00" * 32
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()
+) -> int:
+    """Hash of one full block. Chaining the parent makes the hash identify the whole prefix."""
+    h = hashlib.sha256()
+    h.update(_NONE_PARENT if parent_hash is None else parent_hash.to_bytes(32, "big"))
+    # Length prefixes keep the encoding unambiguous (no token/extra-key boundary confusion).
+    h.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    extra = repr(tuple(extra_keys)).encode()
+    h.update(struct.pack("<I", len(extra)))
+    h.update(extra)
+    return int.from_bytes(h.digest(), "big")
+
+
+def block_extra_keys(request: Request, block_index: int) -> tuple:
+    # The salt goes into the first block only; the parent chain carries it to every later one.
+    if block_index == 0 and request.cache_salt is not None:
+        return ("salt", request.cache_salt)
+    return ()
+
+
+def update_block_hashes(request: Request, block_size: int) -> list[int]:
+    """Extend `request.block_hashes` to cover every full block of `all_token_ids`.
+
+    Incremental: only blocks that became full since the last call are hashed.
+    """
+    hashes = request.block_hashes
+    tokens = request.all_token_ids
+    num_full = len(tokens) // block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        block_tokens = tokens[i * block_size : (i + 1) * block_size]
+        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(request, i))
+        hashes.append(parent)
+    return hashes

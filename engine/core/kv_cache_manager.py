@@ -1,0 +1,159 @@
+"""Per-request block tables on top of the BlockPool, with prefix-cache lookup.
+
+Who may share blocks through the hash map:
+- with prefix caching on: every request (a cache_salt isolates its chain from other salts);
+- with prefix caching off: only requests that carry a cache_salt (the front end gives the
+  siblings of one n>1 request one salt, so they share prompt blocks copy-free); requests
+  without a salt neither look up nor publish blocks.
+
+Blocks are published in the hash map when they are *scheduled* to be filled (vLLM V1), so a
+request scheduled later in the same step can already hit them. This relies on the runner's
+usual contract: for each layer, the KV of every scheduled token is written into the cache
+before that layer's attention reads any block.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from engine.core.block_hash import update_block_hashes
+from engine.core.block_pool import BlockPool
+from engine.core.free_block_queue import KVCacheBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        # Hashing stays on in the pool: salted siblings share even with prefix caching off.
+        self.block_pool = BlockPool(num_blocks, enable_caching=True)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already published in the hash map.
+        self.num_cached_block: dict[str, int] = {}
+
+    def can_share(self, request: Request) -> bool:
+        return self.enable_prefix_caching or request.cache_salt is not None
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest chain of cached full blocks at the start of the request's tokens.
+
+        Never covers the last token: it must be recomputed to produce logits.
+        """
+        if not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed, so no hits.
+            return [], 0
+        hashes = update_block_hashes(request, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        self.block_pool.record_prefix_query(request.num_tokens, num_computed)
+        return blocks, num_computed
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` after the request's computed tokens (plus the hit
+        blocks `new_computed_blocks`, not yet counted in `request.num_computed_tokens`).
+
+        Returns the ids of the freshly allocated blocks (maybe []), or None when the pool is
+        short; on None nothing changed.
+        """
+        computed = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
+        total = num_computed_tokens + num_new_tokens
+        num_new_blocks = max(0, cdiv(total, self.block_size) - len(req_blocks) - len(computed))
+        # Hit blocks that sit in the free queue stop being free once touched.
+        num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(computed)
+        req_blocks.extend(computed)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.can_share(request):
+            self._cache_blocks(request, min(total, request.num_tokens) // self.block_size)
+        return [b.block_id for b in new_blocks]
+
+    def _cache_blocks(self, request: Request, num_full_blocks: int) -> None:
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full_blocks <= num_cached:
+            return
+        update_block_hashes(request, self.block_size)
+        self.block_pool.cache_full_blocks(
+            request, self.req_to_blocks[request.request_id], num_cached, num_full_blocks
+        )
+        self.num_cached_block[request.request_id] = num_full_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request, tail first (so its tail is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(blocks)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def reset_prefix_cache(self) -> None:
+        self.block_pool.reset_prefix_cache()
+        # Published blocks lost their hashes; do not re-publish them for running requests.
+
+    # --- stats ------------------------------------------------------------------------------
+
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def kv_waste(self, requests: Iterable[Request]) -> float:
+        """(allocated slots - tokens stored) / allocated slots over the given requests."""
+        slots = stored = 0
+        for req in requests:
+            n = len(self.req_to_blocks.get(req.request_id, ()))
+            if n:
+                slots += n * self.block_size
+                stored += min(req.num_computed_tokens, n * self.block_size)
+        return (slots - stored) / slots if slots else 0.0
+
+    def stats(self, running: Iterable[Request] = ()) -> dict:
+        pool = self.block_pool
+        return {
+            "num_blocks": self.num_blocks,
+            "blocks_used": pool.get_num_used_blocks(),
+            "blocks_free": pool.get_num_free_blocks(),
+            "blocks_cached": pool.get_num_cached_blocks(),
+            "usage": pool.get_usage(),
+            "prefix_cache_queries": pool.prefix_cache_queries,
+            "prefix_cache_hits": pool.prefix_cache_hits,
+            "prefix_hit_rate": pool.prefix_hit_rate,
+            "kv_waste": self.kv_waste(running),
+        }
+
+    def check_integrity(self) -> None:
+        self.block_pool.check_integrity()
+        # Every reference is held by exactly one request's block table.
+        refs: dict[int, int] = {}
+        for blocks in self.req_to_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.block_pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count {b} != holders"

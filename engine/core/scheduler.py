@@ -1,0 +1,306 @@
+"""Continuous-batching scheduler (vLLM V1 semantics): one token budget per step.
+
+Every scheduled request gets "compute the next N tokens" (principle 2): running requests first,
+then waiting ones in policy order. Chunked prefill is what happens when N is cut by the budget.
+Progress (`num_computed_tokens`) advances in schedule(); update_from_output() appends sampled
+tokens and applies stop conditions.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.outputs import EngineCoreOutput, TokenLogprob
+from engine.request import Request, RequestStatus
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.block_size, num_blocks, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first; the last one is preempted first
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self._pending_outputs: list[EngineCoreOutput] = []  # errors found outside a step
+        # Prompt logprobs arrive chunk by chunk; they are emitted once the prompt is complete.
+        self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
+        self.num_preemptions = 0
+        self.num_steps = 0
+
+    # --- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        error = self._check_fits(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            self._pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
+            )
+            return
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> str | None:
+        """A request that could never fit would preempt itself forever: fail it up front."""
+        p, max_len = request.num_prompt_tokens, self.config.max_model_len
+        if p == 0:
+            return "empty prompt"
+        if p > max_len:
+            return f"prompt has {p} tokens, more than max_model_len={max_len}"
+        # The last sampled token is never computed, so it needs no KV slot.
+        final_len = min(p + request.max_tokens, max(max_len, p + 1))
+        need = self.kv_cache_manager.num_blocks_needed(final_len - 1)
+        if need > self.kv_cache_manager.num_blocks:
+            return (
+                f"request needs {need} KV blocks ({final_len - 1} tokens) but the pool has "
+                f"only {self.kv_cache_manager.num_blocks}; lower max_tokens or the prompt"
+            )
+        return None
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests in any state (abort, stop string matched on the text side)."""
+        assert status.finished, status
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._free_request(req)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _free_request(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self._prompt_logprobs.pop(req.request_id, None)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_outputs)
+
+    def get_num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # --- schedule ---------------------------------------------------------------------------
+
+    def _num_new_tokens(self, req: Request, budget: int, num_hit: int = 0) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _pick_victim(self) -> Request:
+        """Newest running request, or under "priority" the least important (then newest)."""
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self._prompt_logprobs.pop(req.request_id, None)  # recomputed from scratch
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        new_block_ids: dict[str, list[int]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                block_ids = self.kv_cache_manager.allocate_slots(req, n)
+                if block_ids is not None:
+                    break
+                victim = self._pick_victim()
+                vi = self.running.index(victim)
+                del self.running[vi]
+                if vi < i:  # priority policy can pick one already passed over
+                    i -= 1
+                if victim in scheduled_running:  # give its tokens back
+                    scheduled_running.remove(victim)
+                    budget += out.num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if block_ids is None:
+                continue  # req itself was preempted; self.running[i] is now the next one
+            scheduled_running.append(req)
+            new_block_ids[req.request_id] = block_ids
+            out.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (memory is short).
+        scheduled_new: list[Request] = []
+        if not preempted:
+            if self.config.policy == "priority":
+                self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+                n = self._num_new_tokens(req, budget, num_hit)
+                block_ids = self.kv_cache_manager.allocate_slots(req, n, hit_blocks)
+                if block_ids is None:
+                    break  # keep policy order: nobody jumps the head of the queue
+                self.waiting.popleft()
+                req.num_computed_tokens += num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled_new.append(req)
+                out.num_scheduled_tokens[req.request_id] = n
+                budget -= n
+
+        # 3. Build the deltas, then advance the progress counters.
+        for req in scheduled_new:
+            out.new_requests.append(
+                NewRequestData(
+                    request_id=req.request_id,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    output_token_ids=list(req.output_token_ids),
+                    sampling_params=req.sampling_params,
+                    block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+        for req in scheduled_running:
+            out.cached_requests.append(
+                CachedRequestData(req.request_id, new_block_ids[req.request_id], req.num_computed_tokens)
+            )
+        for req in scheduled_new + scheduled_running:
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.preempted_request_ids = {r.request_id for r in preempted}
+        out.finished_request_ids = self.finished_req_ids
+        self.finished_req_ids = set()
+        self.num_steps += 1
+        return out
+
+    # --- results ----------------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        mro = model_runner_output
+        index = {rid: i for i, rid in enumerate(mro.request_ids)}
+        for rid in scheduler_output.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished, aborted or preempted since it was scheduled
+            i = index.get(rid)
+            sampled = mro.sampled_token_ids[i] if i is not None else []
+            logprobs = mro.logprobs[i] if i is not None and i < len(mro.logprobs) else None
+            new_tokens: list[int] = []
+            stopped = False
+            if sampled and req.num_computed_tokens >= req.num_tokens:
+                for tok in sampled:
+                    req.append_output_token_ids([tok])
+                    new_tokens.append(tok)
+                    if self._check_stop(req):
+                        stopped = True
+                        break
+                if logprobs is not None:
+                    logprobs = logprobs[: len(new_tokens)]
+            prompt_lps = self._collect_prompt_logprobs(req, mro.prompt_logprobs.get(rid))
+            if stopped:
+                self.running.remove(req)
+                self._free_request(req)
+            if new_tokens or prompt_lps is not None or stopped:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=new_tokens,
+                        new_logprobs=logprobs if new_tokens else None,
+                        prompt_logprobs=prompt_lps,
+                        finish_reason=req.status.finish_reason if stopped else None,
+                        stop_reason=req.stop_reason if stopped else None,
+                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                    )
+                )
+        return outputs
+
+    def _collect_prompt_logprobs(self, req: Request, chunk) -> list[TokenLogprob | None] | None:
+        if req.sampling_params.prompt_logprobs is None:
+            return None
+        if chunk:
+            self._prompt_logprobs.setdefault(req.request_id, []).extend(chunk)
+        if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self._prompt_logprobs:
+            return self._prompt_logprobs.pop(req.request_id)
+        return None
+
+    def _check_stop(self, req: Request) -> bool:
+        """Stop conditions after one appended token; sets status and stop_reason."""
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            last = req.output_token_ids[-1]
+            if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        s = self.kv_cache_manager.stats(self.running)
+        s.update(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_usage=s["usage"],
+            num_steps=self.num_steps,
+        )
+        return s
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.kv_cache_manager.check_integrity()
+        assert set(self.kv_cache_manager.req_to_blocks) <= {r.request_id for r in self.running}
+        assert len(self.running) <= self.config.max_num_seqs

@@ -1,0 +1,57 @@
+"""Per-step messages between the scheduler and the model runner(s).
+
+Only deltas cross this boundary (principle 1): a request's full state is sent once, when it is
+first scheduled (or resumed after preemption); after that only new block ids and counts.
+The runner keeps its own per-request state keyed by request id and appends the tokens it
+sampled itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after a recompute preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    finished_request_ids: set[str] = field(default_factory=set)
+    preempted_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What rank 0 returns after one step. `sampled_token_ids[i]` is empty for a request
+    whose scheduled tokens did not reach the end of its prompt (a partial prefill chunk)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
+    # Prompt logprobs computed this step, per request id, positions in order (chunk by chunk).
+    prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)

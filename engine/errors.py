@@ -1,0 +1,25 @@
+"""Typed errors the engine raises; the serving layer maps them to HTTP status codes."""
+
+
+class OrbitalError(Exception):
+    """Base of every error Orbital raises on purpose."""
+
+
+class InvalidRequestError(OrbitalError, ValueError):
+    """The request itself is wrong (bad sampling value, empty prompt...). HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLongError(InvalidRequestError):
+    """Prompt plus requested output does not fit in the model's context. HTTP 400."""
+
+
+class EngineDeadError(OrbitalError, RuntimeError):
+    """The engine (or one of its workers) died; requests in flight are failed. HTTP 503."""
+
+
+class RequestAbortedError(OrbitalError):
+    """The request was aborted (client gone, timeout, shutdown)."""

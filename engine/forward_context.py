@@ -1,0 +1,21 @@
+"""Per-batch metadata travels in one context object, not through every forward signature."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+_CURRENT: Any = None
+
+
+def get_attn_metadata():
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def forward_context(attn_metadata):
+    global _CURRENT
+    prev, _CURRENT = _CURRENT, attn_metadata
+    try:
+        yield
+    finally:
+        _CURRENT = prev

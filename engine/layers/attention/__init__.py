@@ -1,0 +1,5 @@
+from engine.layers.attention.backend import AttentionBackend, get_backend
+from engine.layers.attention.layer import Attention
+from engine.layers.attention.metadata import AttentionMetadata, DecodeBucket, PrefillChunk
+
+__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "DecodeBucket", "PrefillChunk", "get_backend"]

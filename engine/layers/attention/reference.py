@@ -1,0 +1,61 @@
+"""Pure-PyTorch paged attention: slot writes, block-table gather + SDPA. CPU and GPU.
+
+GQA without copying K/V: the G query heads that share one KV head are laid out as G query
+rows against that head, so SDPA sees [b, Hkv, G*q, D] against [b, Hkv, L, D].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention.backend import AttentionBackend
+from engine.layers.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    hkv, d = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int) -> torch.Tensor:
+    """[num_blocks, bs, Hkv, D] -> [b, Hkv, L, D] (a strided view, no second copy)."""
+    nb, bs, hkv, d = cache.shape
+    out = cache.view(nb, -1).index_select(0, flat_block_ids)
+    return out.view(b, -1, hkv, d).transpose(1, 2)
+
+
+class ReferenceAttentionBackend(AttentionBackend):
+    name = "reference"
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        t, hq, d = q.shape
+        hkv = k.shape[1]
+        g = hq // hkv
+        out = torch.empty_like(q)
+        for bk in meta.decode_buckets:
+            b = bk.end - bk.start
+            qb = q[bk.start : bk.end].view(b, hkv, g, d)
+            kb = gather_blocks(kv_cache[0], bk.flat_block_ids, b)
+            vb = gather_blocks(kv_cache[1], bk.flat_block_ids, b)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bk.mask, scale=scale)
+            out[bk.start : bk.end] = o.reshape(b, hq, d)
+        for pc in meta.prefills:
+            n = pc.num_new
+            rows = slice(pc.start, pc.start + n)
+            if pc.mask is None:  # no cached context: plain causal attention over the chunk
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1).unsqueeze(0), k[rows].transpose(0, 1).unsqueeze(0),
+                    v[rows].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+                out[rows] = o[0].transpose(0, 1)
+                continue
+            # [n, Hq, D] -> [Hkv, G*n, D]: head h = kv*G + g, query rows grouped per g.
+            qp = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+            total = pc.num_context + n
+            kp = gather_blocks(kv_cache[0], pc.block_ids, 1)[0, :, :total].to(q.dtype)
+            vp = gather_blocks(kv_cache[1], pc.block_ids, 1)[0, :, :total].to(q.dtype)
+            mask = pc.mask.repeat(g, 1)  # same causal pattern for each of the G heads
+            o = F.scaled_dot_product_attention(qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale)
+            out[rows] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+        return out

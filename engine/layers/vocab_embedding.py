@@ -1,0 +1,59 @@
+"""Vocab-parallel embedding and LM head.
+
+Each rank owns a contiguous slice of the (padded) vocabulary. Embedding: rows outside the
+slice are masked to zero, then all-reduced. LM head: each rank computes its slice of the
+logits and rank 0 gathers them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
+from engine.layers.weight_utils import copy_into, narrow, shape_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype=None):
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_size, self.tp_rank = tp.size, tp.rank
+        self.vocab_size = vocab_size
+        self.per_partition = -(-vocab_size // tp.size)  # ceil: the last shard is padded
+        self.start = tp.rank * self.per_partition
+        self.end = min(self.start + self.per_partition, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(self.per_partition, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, w, shard_id=None) -> None:
+        rows = shape_of(w)[0]
+        if rows != self.vocab_size:
+            raise ValueError(f"embedding has {rows} rows, config says vocab_size={self.vocab_size}")
+        n = self.end - self.start
+        copy_into(param.data.narrow(0, 0, n), narrow(w, 0, self.start, n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        mask = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(mask, 0)
+        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False, dtype=None):
+        super().__init__(vocab_size, hidden_size, dtype)
+        self.bias = None
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""
+        logits = F.linear(hidden, self.weight)
+        logits = tp_gather_last_dim(logits)
+        if logits is None:
+            return None
+        return logits[..., : self.vocab_size]

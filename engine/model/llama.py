@@ -1,0 +1,158 @@
+"""Llama-family decoder in the project's own code: Llama 2/3 (llama3 RoPE scaling), Mistral,
+Qwen2 (QKV bias), SmolLM2; GQA/MQA; tied embeddings. Tensor-parallel through its layers.
+
+Parameter names follow Hugging Face checkpoints except the fused `qkv_proj` and
+`gate_up_proj`, which `load_weights` fills from the separate q/k/v and gate/up tensors.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.weight_utils import default_weight_loader
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+
+# checkpoint name fragment -> (fused parameter fragment, shard id)
+_STACKED = [
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", 0),
+    (".up_proj", ".gate_up_proj", 1),
+]
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, dtype):
+        super().__init__()
+        qwen2 = config.model_type == "qwen2"
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=attn_bias or qwen2, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=attn_bias and not qwen2, dtype=dtype)
+        self.rotary = rotary
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        t = x.shape[0]
+        q, k = self.rotary(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim))
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, dtype):
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, dtype):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions, x, residual):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, dtype):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config, max_position: int | None = None, dtype=torch.float32):
+        super().__init__()
+        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise NotImplementedError(f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        max_position = max_position or config.max_position_embeddings
+        self.model = LlamaModel(config, max_position, dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
+        """Load (name, tensor-or-lazy-slice) pairs; returns the parameter names filled."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, w in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            for frag, fused, shard in _STACKED:
+                if frag in name:
+                    target = name.replace(frag, fused)
+                    param = params[target]
+                    param.weight_loader(param, w, shard)
+                    loaded.add(target)
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint has an unexpected tensor {name!r}")
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, w)
+                loaded.add(name)
+        if self.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
+        return loaded

@@ -1,0 +1,92 @@
+"""What the engine needs to know about a model, resolved once from its HF config."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where it is fast (CUDA with bf16, CPUs with AVX-512 BF16 / AMX), else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: Path
+    hf_config: object = field(repr=False)
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    served_name: str
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        from engine.model.llama import head_dim_of
+
+        return head_dim_of(self.hf_config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+def build_model_config(model: str | None, dtype: str | torch.dtype, device: torch.device,
+                       max_model_len: int | None = None, served_name: str | None = None) -> ModelConfig:
+    from transformers import AutoConfig
+
+    from engine.model.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    limit = cfg.max_position_embeddings
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        limit = min(limit, cfg.sliding_window)  # the reference backend has no sliding window
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise InvalidRequestError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
+    eos = cfg.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        g = json.loads(gen.read_text()).get("eos_token_id")
+        if g is not None:
+            eos_ids = tuple(dict.fromkeys(list(eos_ids) + (g if isinstance(g, list) else [g])))
+    from engine.model.gguf_convert import EMBEDDED_NAME
+
+    default_name = EMBEDDED_NAME if not model or model == "default" else (Path(model).name or str(model))
+    name = served_name or default_name
+    return ModelConfig(model_dir, cfg, resolve_dtype(dtype, device), max_model_len, eos_ids, str(name))

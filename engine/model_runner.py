@@ -1,0 +1,126 @@
+"""Runs one step of the model on one worker (one TP rank): inputs, forward, logits, sampling.
+
+Holds the model shard, one KV tensor per layer (views bound to the attention layers) and its
+own per-request state. Rank 0 samples and returns token ids; other ranks return None.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.attn_metadata_builder import build_step_batch
+from engine.config import CacheConfig
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.distributed import get_tp_group
+from engine.forward_context import forward_context
+from engine.layers.sampler import Sampler, compute_prompt_logprobs
+from engine.model.loader import load_model
+from engine.model_config import ModelConfig
+from engine.runner_state import RunnerRequestState, RunnerStates
+from engine.sampling_metadata import SamplingMetadata
+
+
+def _step_generator(seed: int, step: int) -> torch.Generator:
+    # Seeded by (seed, output position): reproducible whatever the batch, and across preemption.
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu"):
+        self.mc, self.cc = model_config, cache_config
+        self.device = torch.device(device)
+        self.tp = get_tp_group()
+        self.states = RunnerStates()
+        self.sampler = Sampler()
+        self.model = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    def load_model(self) -> None:
+        self.model = load_model(self.mc.model_dir, self.mc.hf_config, self.mc.dtype, self.device, self.mc.max_model_len)
+
+    @property
+    def num_kv_heads_local(self) -> int:
+        return self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
+
+    def bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.mc.dtype).element_size()
+        return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * self.mc.head_dim * elem
+
+    def num_blocks_for_budget(self) -> int:
+        return self.cc.num_blocks or max(2, self.cc.kv_cache_memory_bytes // self.bytes_per_block())
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.cc.block_size, self.num_kv_heads_local, self.mc.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.mc.dtype, device=self.device) for _ in range(self.mc.num_layers)]
+        for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
+            attn.kv_cache = cache
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        self.states.apply(so)
+        if so.is_empty:
+            return ModelRunnerOutput() if self.tp.rank == 0 else None
+        rids = list(so.num_scheduled_tokens)
+        states = [self.states[r] for r in rids]
+        batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in rids], self.cc.block_size, self.device)
+        with forward_context(batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions)
+        by_id = {r: self.states[r] for r in batch.request_ids}
+        # Rows that produce a token: the last scheduled token reaches the end of the sequence.
+        sample_idx = [k for k, r in enumerate(batch.request_ids)
+                      if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens]
+        prompt_lp = self._prompt_logprob_rows(batch, by_id)
+        rows = [batch.last_rows[k] for k in sample_idx] + [row for _, rs, _ in prompt_lp for row in rs]
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        for k, r in enumerate(batch.request_ids):
+            by_id[r].num_computed_tokens += batch.counts[k]
+        if self.tp.rank != 0:
+            return None
+        return self._sample(batch, by_id, sample_idx, logits, prompt_lp)
+
+    def _prompt_logprob_rows(self, batch, by_id):
+        """(request id, hidden rows, target token ids) for prompt positions computed this step."""
+        out = []
+        for k, r in enumerate(batch.request_ids):
+            st = by_id[r]
+            if st.sampling_params.prompt_logprobs is None:
+                continue
+            nc, n, p = st.num_computed_tokens, batch.counts[k], len(st.prompt_token_ids)
+            last = min(nc + n, p - 1)  # position p-1 predicts the first output, not a prompt token
+            if last <= nc:
+                continue
+            rows = list(range(batch.starts[k], batch.starts[k] + last - nc))
+            out.append((r, rows, st.prompt_token_ids[nc + 1 : last + 1]))
+        return out
+
+    def _sample(self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, prompt_lp) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        ns = len(sample_idx)
+        if ns:
+            sts = [by_id[batch.request_ids[k]] for k in sample_idx]
+            gens = [None if s.sampling_params.seed is None else _step_generator(s.sampling_params.seed, len(s.output_token_ids))
+                    for s in sts]
+            md = SamplingMetadata.build(
+                [s.sampling_params for s in sts], [s.prompt_token_ids for s in sts], [s.output_token_ids for s in sts],
+                gens, [list(self.mc.eos_token_ids) for _ in sts], self.device)
+            res = self.sampler(logits[:ns], md)
+            tokens = res.sampled_token_ids.tolist()
+            for j, s in enumerate(sts):
+                s.output_token_ids.append(tokens[j])
+                out.request_ids.append(s.request_id)
+                out.sampled_token_ids.append([tokens[j]])
+                out.logprobs.append(res.logprobs[j])
+        off = ns
+        for r, rows, targets in prompt_lp:
+            st = by_id[r]
+            lps = compute_prompt_logprobs(logits[off : off + len(rows)], targets, st.sampling_params.prompt_logprobs)
+            off += len(rows)
+            first = [None] if st.num_computed_tokens - batch.counts[batch.request_ids.index(r)] == 0 else []
+            out.prompt_logprobs[r] = first + lps
+        for r in batch.request_ids:  # partial prefill chunks: no token this step
+            if r not in out.request_ids:
+                out.request_ids.append(r)
+                out.sampled_token_ids.append([])
+                out.logprobs.append(None)
+        return out

@@ -1,0 +1,66 @@
+"""What the engine hands back: token-level core outputs and user-facing request outputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one chosen token plus the top-k alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    # Filled by the output processor (text side): decoded strings of token_id and of `top`.
+    decoded: str | None = None
+    top_decoded: list[str] | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    """Per-step delta of one sequence, token ids only (engines never see text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    # Complete list once, when the prompt is fully computed (index 0 is None: no context).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Streaming: what is new since the previous RequestOutput for this request.
+    text_delta: str = ""
+    token_ids_delta: list[int] = field(default_factory=list)
+    logprobs_delta: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (monotonic)

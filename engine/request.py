@@ -1,0 +1,85 @@
+"""A request as the scheduler sees it: token ids and progress counters, no phase flags."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. `n>1` requests are expanded into n of these by the front end.
+
+    Progress is `num_computed_tokens` against `all_token_ids`: prefill, chunked prefill,
+    prefix hits, recompute after preemption and decode are all "compute the next N tokens".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value runs first under the "priority" policy
+    # Extra key mixed into the first block hash: siblings of one n>1 request share it so they
+    # share prompt blocks even when prefix caching is off; a cache salt isolates tenants.
+    cache_salt: str | None = None
+    max_tokens: int = 16  # resolved by the front end against max_model_len
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit tokens at first schedule; -1 = not yet
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
