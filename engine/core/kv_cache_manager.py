@@ -104,7 +104,7 @@ class KVCacheManager:
         """Release every block of the request, tail first (so its tail is evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
-        self.block_pool.free_blocks(blocks)
+        self.block_pool.free_blocks(reversed(blocks))
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])
