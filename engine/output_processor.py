@@ -196,6 +196,7 @@ class OutputProcessor:
             metrics=dict(state.metrics),
         )
         if state.error is not None:
+            out.error = state.error
             out.metrics["error"] = state.error
         return out
 

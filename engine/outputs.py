@@ -63,4 +63,5 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (monotonic)

@@ -1,0 +1,44 @@
+"""Scheduler + executor: one step = schedule, run the model, update requests. Token ids only."""
+from __future__ import annotations
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.scheduler import Scheduler
+from engine.executor import Executor
+from engine.outputs import EngineCoreOutput
+from engine.request import Request, RequestStatus
+
+
+class EngineCore:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor):
+        self.executor = executor
+        self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
+            return self.scheduler.update_from_output(so, _EMPTY)
+        mro = self.executor.execute_model(so)
+        return self.scheduler.update_from_output(so, mro)
+
+    def stats(self) -> dict:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+from engine.core.scheduler_output import ModelRunnerOutput  # noqa: E402
+
+_EMPTY = ModelRunnerOutput()

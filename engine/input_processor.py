@@ -1,0 +1,84 @@
+"""Validate prompts and turn one user request into engine `Request`s (n>1 -> n sequences)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.model_config import ModelConfig
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+PromptInput = str | dict | Sequence[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, model_config: ModelConfig, prefix_caching: bool):
+        self.tokenizer, self.mc, self.prefix_caching = tokenizer, model_config, prefix_caching
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_ids(prompt)
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidRequestError("prompt_token_ids must be a non-empty list of integers", param="prompt")
+        v = self.mc.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+                raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {v})", param="prompt")
+        return list(ids)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidRequestError("each message needs 'role' and 'content'", param="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use completions", param="messages")
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def tokenize_chat(self, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
+        text = self.apply_chat_template(messages, **kwargs)
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+        p, limit = len(prompt_ids), self.mc.max_model_len
+        if p >= limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens; the prompt has {p} tokens "
+                "(at least one token must be left for the completion).", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - p
+        if p + max_tokens > limit:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{p + max_tokens} tokens ({p} in the prompt, {max_tokens} for the completion). "
+                "Reduce the prompt or max_tokens.", param="max_tokens")
+        eos = self.mc.eos_token_ids
+        reqs = []
+        for i in range(params.n):
+            sp = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            if len(eos) > 1 and not sp.ignore_eos:  # extra EOS ids (e.g. Llama 3) stop like EOS
+                sp = dataclasses.replace(sp, stop_token_ids=list(dict.fromkeys(sp.stop_token_ids + list(eos[1:]))))
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            # Siblings share prompt blocks through the hash map even with prefix caching off.
+            salt = None if self.prefix_caching or params.n == 1 else f"n:{request_id}"
+            kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+            reqs.append(Request(rid, list(prompt_ids), sp, eos_token_id=eos[0] if eos else None,
+                                priority=priority, cache_salt=salt, max_tokens=max_tokens, **kw))
+        return reqs

@@ -1,0 +1,72 @@
+"""The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages, params)`."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.input_processor import PromptInput
+from engine.llm_engine import EngineArgs, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation with continuous batching. `model=None` is the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one value or one per prompt")
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params_list)):
+                ids.append(self.engine.add_request(None, p, sp, priority[i] if priority else 0))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, **template_kwargs) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text, tok_ids = self.engine.inputs.tokenize_chat(conv, **template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": tok_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending, done = set(ids), {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        out_tokens = 0
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    done[out.request_id] = out
+                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+                    bar.set_postfix(out_tok_s=f"{out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
+        bar.close()
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        """KV blocks used/free/cached, prefix-cache hit rate, KV waste, preemptions."""
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,104 @@
+"""The synchronous engine: text in, text out, one `step()` at a time.
+
+Glues the input processor (tokenize, validate, expand n), the engine core (scheduler +
+executor, token ids) and the output processor (detokenize, stop strings, aggregate n).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.errors import InvalidRequestError
+from engine.executor import make_executor
+from engine.input_processor import InputProcessor, PromptInput
+from engine.model_config import ModelConfig, build_model_config
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user sets; `build_*` turn it into the frozen inner configs."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    num_blocks: int | None = None
+    tensor_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
+    served_model_name: str | None = None
+    num_threads: int | None = None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.args = args
+        self.model_config: ModelConfig = build_model_config(
+            args.model, args.dtype, torch.device(args.device), args.max_model_len, args.served_model_name)
+        cache = CacheConfig(args.block_size, args.enable_prefix_caching, args.kv_cache_memory_bytes, args.num_blocks)
+        sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len,
+                                args.scheduling_policy)
+        executor = make_executor(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device)
+        self.core = EngineCore(sched, cache, executor)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.model_dir)
+        self.inputs = InputProcessor(self.tokenizer, self.model_config, args.enable_prefix_caching)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self._children: dict[str, list[str]] = {}
+
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams,
+                    priority: int = 0, prompt_text: str | None = None) -> str:
+        request_id = request_id or self.next_request_id()
+        if request_id in self._children:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        text, ids = self.inputs.tokenize(prompt)
+        reqs = self.inputs.make_requests(request_id, ids, params, priority)
+        child_ids = [r.request_id for r in reqs]
+        self.outputs.add_request(request_id, prompt_text or text, ids, params, child_ids)
+        self._children[request_id] = child_ids
+        for r in reqs:
+            self.core.add_request(r)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        children = self._children.pop(request_id, [])
+        self.outputs.abort_request(request_id)
+        self.core.abort_requests(children)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        request_outputs, stop_ids = self.outputs.process_outputs(core_outputs)
+        if stop_ids:  # a stop string matched on the text side: free the KV now
+            self.core.finish_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
+        for out in request_outputs:
+            if out.finished:
+                self._children.pop(out.request_id, None)
+        return request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children) or self.core.has_unfinished_requests()
+
+    def stats(self) -> dict:
+        return self.core.stats()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
