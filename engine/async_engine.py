@@ -1,0 +1,234 @@
+"""asyncio front of the engine: a step loop on its own thread, per-request async streams.
+
+The model forward blocks for tens of milliseconds, so it runs on a dedicated thread; the
+event loop only moves small messages. Two kinds of streams:
+  * `generate()` yields RequestOutput (text, deltas) — the offline/async Python API;
+  * `generate_tokens()` yields EngineCoreOutput (token ids only) — the serving path, where the
+    router detokenizes and calls `finish()` when a stop string matches.
+Cancelling a stream (client gone) aborts the request before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import AsyncIterator
+
+from engine.errors import EngineDeadError, InvalidRequestError
+from engine.input_processor import PromptInput
+from engine.llm_engine import EngineArgs, LLMEngine
+from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, children: list[str]):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.open_children = set(children)
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None):
+        self.engine = engine or LLMEngine(args or EngineArgs())
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[tuple] = []  # ("add", reqs) | ("abort", ids) | ("finish", ids)
+        self._streams: dict[str, _Stream] = {}  # parent request id -> stream
+        self._token_parent: dict[str, str] = {}  # child id -> parent, token-mode requests
+        self._dead: BaseException | None = None
+        self._stopping = False
+        self.step_count = 0
+        self._thread = threading.Thread(target=self._run, name="orbital-engine-loop", daemon=True)
+        self._thread.start()
+
+    # --- public API -------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        self._check_alive()
+        rid = request_id or self.engine.next_request_id()
+        text, ids = self.engine.inputs.tokenize(prompt)
+        reqs = self.engine.inputs.make_requests(rid, ids, params, priority)
+        children = [r.request_id for r in reqs]
+        stream = self._open(rid, children)
+        self._submit(("add_text", rid, text, ids, params, reqs))
+        async for item in self._drain(rid, stream, children):
+            yield item
+
+    async def generate_tokens(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[EngineCoreOutput]:
+        self._check_alive()
+        reqs = self.engine.inputs.make_requests(request_id, self.engine.inputs._check_ids(prompt_token_ids),
+                                                params, priority, arrival_time)
+        children = [r.request_id for r in reqs]
+        stream = self._open(request_id, children)
+        with self._lock:
+            for c in children:
+                self._token_parent[c] = request_id
+        self._submit(("add_tokens", reqs))
+        async for item in self._drain(request_id, stream, children):
+            yield item
+
+    def finish(self, child_ids: list[str]) -> None:
+        """The text side matched a stop string: end these sequences and free their KV."""
+        self._submit(("finish", list(child_ids)))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def stats(self) -> dict:
+        with self._lock:
+            s = dict(self.engine.stats())
+        s["num_steps_loop"] = self.step_count
+        s["dead"] = self._dead is not None
+        return s
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine is dead: {self._dead}")
+        if self._stopping:
+            raise EngineDeadError("engine is shutting down")
+
+    def _open(self, rid: str, children: list[str]) -> _Stream:
+        stream = _Stream(asyncio.get_running_loop(), children)
+        with self._lock:
+            if rid in self._streams:
+                raise InvalidRequestError(f"duplicate request id {rid!r}")
+            self._streams[rid] = stream
+        return stream
+
+    def _submit(self, msg: tuple) -> None:
+        with self._lock:
+            self._inbox.append(msg)
+            self._wake.notify()
+
+    async def _drain(self, rid: str, stream: _Stream, children: list[str]):
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if item is _DONE:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:  # consumer went away (disconnect, cancel): abort now
+                self.abort(rid)
+            with self._lock:
+                self._streams.pop(rid, None)
+                for c in children:
+                    self._token_parent.pop(c, None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._inbox and not self._stopping and not self.engine.core.has_unfinished_requests():
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    inbox, self._inbox = self._inbox, []
+                for msg in inbox:
+                    self._handle(msg)
+                if self.engine.core.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
+            log.exception("engine loop died")
+            self._dead = e
+            err = EngineDeadError(f"engine step failed: {type(e).__name__}: {e}")
+            with self._lock:
+                for s in self._streams.values():
+                    s.put(err)
+        finally:
+            with self._lock:
+                for s in list(self._streams.values()):
+                    s.put(EngineDeadError("engine shut down") if self._stopping else _DONE)
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        eng = self.engine
+        if kind == "add_text":
+            _, rid, text, ids, params, reqs = msg
+            eng.outputs.add_request(rid, text, ids, params, [r.request_id for r in reqs])
+            eng._children[rid] = [r.request_id for r in reqs]
+            for r in reqs:
+                eng.core.add_request(r)
+        elif kind == "add_tokens":
+            for r in msg[1]:
+                eng.core.add_request(r)
+        elif kind == "finish":
+            eng.core.finish_requests(msg[1], RequestStatus.FINISHED_STOPPED)
+        elif kind == "abort":
+            rid = msg[1]
+            with self._lock:
+                token_children = [c for c, p in self._token_parent.items() if p == rid]
+            if token_children:
+                eng.core.abort_requests(token_children)
+            else:
+                eng.abort_request(rid)
+
+    def _step(self) -> None:
+        eng = self.engine
+        core_outputs = eng.core.step()
+        self.step_count += 1
+        text_side, now = [], time.monotonic()
+        with self._lock:
+            for co in core_outputs:
+                parent = self._token_parent.get(co.request_id)
+                if parent is None:
+                    text_side.append(co)
+                    continue
+                stream = self._streams.get(parent)
+                if stream is None:
+                    continue
+                stream.put(co)
+                if co.finished:
+                    stream.open_children.discard(co.request_id)
+                    if not stream.open_children:
+                        stream.put(_DONE)
+        if not text_side:
+            return
+        request_outputs, stop_ids = eng.outputs.process_outputs(text_side)
+        if stop_ids:
+            eng.core.finish_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
+        with self._lock:
+            for out in request_outputs:
+                out.metrics.setdefault("step_time", now)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                    if out.finished:
+                        stream.put(_DONE)
+                if out.finished:
+                    eng._children.pop(out.request_id, None)
