@@ -1,0 +1,62 @@
+"""`python -m engine` / `orbital-generate`: run prompts through the offline engine from a shell."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine", description="Generate text with Orbital's engine (offline).")
+    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", help="prompt (repeatable); read from stdin lines when absent")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from engine import LLM, OrbitalError, SamplingParams
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
+        llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outs = llm.generate(prompts, params)
+    except (OrbitalError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prompt, out in zip(prompts, outs):
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text,
+                                  "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)}))
+            else:
+                print(f"--- {prompt!r} [{c.index}] ({c.finish_reason}, {len(c.token_ids)} tokens)\n{prompt}{c.text}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""Shared fixtures: one torch thread budget, the embedded model's HF directory and tokenizer."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Several agents/replicas on 2 cores: keep each process explicit and small.
+torch.set_num_threads(int(os.environ.get("ORBITAL_TEST_THREADS", "2")))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def smollm_dir():
+    from engine.model.loader import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
