@@ -1,0 +1,65 @@
+"""Fixtures for tensor-parallel tests: a local Ray per module, tiny random Llamas saved as real
+HF directories, and transformers references. Every fixture shuts down what it starts."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+
+
+def save_tiny_llama(path, seed: int = 0, tokenizer_from=None, **overrides):
+    """A random Llama saved with save_pretrained(safe_serialization=True). No EOS: generation
+    runs to max_tokens on both sides. LLMEngine loads a tokenizer from the model directory, so
+    the embedded model's tokenizer is copied in (prompts are token ids; ids < 512 decode fine)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**TINY, **overrides}, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    if tokenizer_from is not None:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_from / f, path / f)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_dir):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mqa_dir(tmp_path_factory, smollm_dir):
+    """4 heads, 1 KV head: at tp=2 each rank must hold a replica of the single KV head."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-mqa"), seed=1, tokenizer_from=smollm_dir,
+                           num_attention_heads=4, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@torch.inference_mode()
+def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, hf_model=None, eos_token_id=None):
+    """transformers `generate`, greedy, one prompt at a time (no padding): ids and logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf_model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        g = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True, eos_token_id=eos_token_id, pad_token_id=eos_token_id or 0)
+        ids = g.sequences[0, len(p):].tolist()
+        lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(g.logits, ids)]
+        out.append((ids, lps))
+    return out

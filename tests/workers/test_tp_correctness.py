@@ -1,0 +1,160 @@
+"""Tensor parallel over Ray actors gives the same greedy tokens as tp=1 and as transformers
+(float32), logprobs within 1e-3, with prefix caching and chunked prefill on; shards are 1/tp."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.model.loader import parameter_bytes
+from tests.workers.conftest import hf_greedy
+
+NEW = 12
+SHARED = list(range(40, 80))  # 10 blocks of 4: later prompts hit the prefix cache
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    [100, 200, 300],
+    [7],
+    SHARED + [11, 12, 13],
+    list(range(300, 350)),  # several chunks of 16 tokens
+    SHARED + [500, 501, 502, 503, 504, 505],
+]
+TINY_ARGS = dict(dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=16,
+                 enable_prefix_caching=True, num_threads=1)
+
+
+def _generate(llm: LLM, prompts, new=NEW):
+    params = SamplingParams(temperature=0, max_tokens=new, logprobs=0)
+    # The first prompt alone, then the rest: the shared prefix is cached by the time it repeats.
+    outs = llm.generate([{"prompt_token_ids": prompts[0]}] + [{"prompt_token_ids": prompts[3]}], params, use_tqdm=False)
+    rest = [p for i, p in enumerate(prompts) if i not in (0, 3)]
+    outs += llm.generate([{"prompt_token_ids": p} for p in rest], params, use_tqdm=False)
+    order = [0, 3] + [i for i in range(len(prompts)) if i not in (0, 3)]
+    got = [None] * len(prompts)
+    for i, o in zip(order, outs):
+        got[i] = (o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs])
+    return got
+
+
+def _assert_same(got, expected, tol=1e-3):
+    for k, ((ids, lps), (exp_ids, exp_lps)) in enumerate(zip(got, expected)):
+        assert ids == exp_ids, f"prompt {k}: {ids} != {exp_ids}"
+        assert max(abs(a - b) for a, b in zip(lps, exp_lps)) < tol, f"prompt {k}: logprobs differ"
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_llama_dir):
+    return hf_greedy(tiny_llama_dir, PROMPTS, NEW)
+
+
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), **TINY_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["compiled_graph", "actor_calls"])
+def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_reference, tiny_tp1, transport, monkeypatch):
+    monkeypatch.setenv("ORBITAL_TP_TRANSPORT", transport)
+    tp1 = _generate(tiny_tp1, PROMPTS)
+    _assert_same(tp1, tiny_reference)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY_ARGS)
+    try:
+        ex = llm.engine.core.executor
+        assert ex.transport_name == transport
+        got = _generate(llm, PROMPTS)
+        assert [g[0] for g in got] == [t[0] for t in tp1]
+        _assert_same(got, tiny_reference)
+        stats = llm.stats()
+        assert stats["blocks_used"] == 0
+        assert stats["prefix_cache_hits"] > 0
+        llm.engine.core.scheduler.check_integrity()
+
+        # Shards: parameters ~1/tp per rank, KV cache holds kv_heads/tp heads per rank.
+        info = ex.worker_info()
+        full = parameter_bytes(tiny_tp1.engine.core.executor.runner.model)
+        assert len({i["pid"] for i in info}) == 2 and len({i["node_id"] for i in info}) == 1
+        for i in info:
+            assert abs(i["param_bytes"] - full / 2) / full < 0.02, (i["param_bytes"], full)
+            assert i["num_kv_heads"] == 2 and i["kv_cache_shape"] == (2, ex.num_blocks, 4, 2, 8)
+            assert i["num_threads"] == 1
+        assert ex.kv_bytes_per_block() * 2 == tiny_tp1.engine.core.executor.kv_bytes_per_block()
+    finally:
+        llm.shutdown()
+
+
+def test_mqa_kv_head_replicated_over_ranks(ray_local, tiny_mqa_dir):
+    """1 KV head, tp=2: each rank keeps a copy of it (and half the query heads)."""
+    expected = hf_greedy(tiny_mqa_dir, PROMPTS[:3], NEW)
+    llm = LLM(str(tiny_mqa_dir), tensor_parallel_size=2, **TINY_ARGS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
+        _assert_same([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs], expected)
+        assert [i["num_kv_heads"] for i in llm.engine.core.executor.worker_info()] == [1, 1]
+    finally:
+        llm.shutdown()
+
+
+def test_tp_that_does_not_divide_the_model_is_refused(tiny_llama_dir):
+    # 8 heads over 3 ranks: refused in the driver, before any Ray actor starts.
+    with pytest.raises(InvalidRequestError, match="8 attention heads are not divisible by 3"):
+        LLM(str(tiny_llama_dir), tensor_parallel_size=3, **TINY_ARGS)
+
+
+def test_kv_head_replication_rules():
+    from types import SimpleNamespace
+
+    from workers.sharding import check_tp_compatible, kv_heads_per_rank
+
+    cfg = lambda h, kv: SimpleNamespace(num_attention_heads=h, num_key_value_heads=kv, intermediate_size=1536)
+    check_tp_compatible(cfg(8, 2), 4)
+    assert kv_heads_per_rank(cfg(8, 2), 4) == 1 and kv_heads_per_rank(cfg(8, 4), 2) == 2
+    with pytest.raises(InvalidRequestError, match="cannot replicate 3 KV heads"):
+        check_tp_compatible(cfg(12, 3), 4)
+    with pytest.raises(InvalidRequestError, match="6 KV heads are not divisible by 4"):
+        check_tp_compatible(cfg(12, 6), 4)
+
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "The capital of France is a city where",  # shares its first block with the first prompt
+]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1_and_transformers(ray_local, smollm_dir, smollm_tokenizer, hf_smollm):
+    ids = [smollm_tokenizer(p).input_ids for p in SMOL_PROMPTS]
+    new = 16
+    expected = hf_greedy(smollm_dir, ids, new, hf_model=hf_smollm, eos_token_id=smollm_tokenizer.eos_token_id)
+    args = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8,
+                enable_prefix_caching=True, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=new, logprobs=0)
+
+    def run(llm):
+        outs = llm.generate({"prompt_token_ids": ids[0]}, params, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": x} for x in ids[1:]], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+    tp1 = LLM(**args)
+    try:
+        got1 = run(tp1)
+        full = parameter_bytes(tp1.engine.core.executor.runner.model)
+    finally:
+        tp1.shutdown()
+    _assert_same(got1, expected)
+    llm = LLM(tensor_parallel_size=3, **args)
+    try:
+        got3 = run(llm)
+        info = llm.engine.core.executor.worker_info()
+        assert llm.stats()["blocks_used"] == 0
+    finally:
+        llm.shutdown()
+    assert [g[0] for g in got3] == [g[0] for g in got1]
+    _assert_same(got3, expected)
+    for i in info:
+        assert i["num_kv_heads"] == 1 and i["kv_cache_shape"][3] == 1
+        assert abs(i["param_bytes"] - full / 3) / full < 0.02, (i["param_bytes"], full)
