@@ -130,15 +130,15 @@ class RayExecutor(Executor):
                 stuck.append(r)
             except Exception:
                 dead.append(r)
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        first = _summary(cause)
         if dead:
             ranks = ", ".join(map(str, dead))
             return (f"tensor-parallel rank {ranks} of {self.tp} died (worker actor gone); "
-                    f"the engine cannot continue: {type(cause).__name__}: {first}")
+                    f"the engine cannot continue (first error seen: {first})")
         failed = [r for r in range(self.tp) if f"tensor-parallel rank {r} failed" in str(cause)]
         who = f"rank {failed[0]}" if failed else "a rank"
         extra = f"; unresponsive ranks: {stuck}" if stuck else ""
-        return f"tensor-parallel {who} of {self.tp} failed{extra}: {type(cause).__name__}: {first}"
+        return f"tensor-parallel {who} of {self.tp} failed{extra}: {first}"
 
     def _kill_workers(self) -> None:
         for w in self.workers:
@@ -146,3 +146,15 @@ class RayExecutor(Executor):
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
+
+
+def _summary(cause: BaseException) -> str:
+    """One readable line: the remote exception rather than Ray's wrapper, plus the death reason."""
+    inner = cause
+    while isinstance(inner, ray.exceptions.RayTaskError) and getattr(inner, "cause", None) is not None:
+        inner = inner.cause
+    lines = [ln.strip() for ln in str(inner).strip().splitlines() if ln.strip()]
+    if not lines:
+        return type(inner).__name__
+    text = lines[0] if len(lines) == 1 or lines[-1] == lines[0] else f"{lines[0]} {lines[-1]}"
+    return f"{type(inner).__name__}: {text}"[:400]

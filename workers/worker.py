@@ -42,17 +42,20 @@ class TPWorker:
         self._store = None
         self._broken: str | None = None
         self._fail_next = False
+        self._rendezvous: tuple[str, int] | None = None
 
     # ---- set-up, called once in this order ----
     def open_rendezvous(self) -> tuple[str, int]:
         from workers.process_group import open_rendezvous
 
         addr, port, self._store = open_rendezvous(self.world_size)
+        self._rendezvous = (addr, port)
         return addr, port
 
     def join(self, addr: str, port: int) -> None:
         from workers.process_group import join_group
 
+        self._rendezvous = (addr, port)
         join_group(self.rank, self.world_size, addr, port, self.device, store=self._store)
 
     def load(self, model_config, cache_config) -> int:
@@ -102,8 +105,10 @@ class TPWorker:
         from engine.model.loader import parameter_bytes
 
         kv = self.runner.kv_caches if self.runner else []
+        ctx = ray.get_runtime_context()
         return {
-            "rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+            "rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
+            "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self._rendezvous,
             "param_bytes": parameter_bytes(self.runner.model) if self.runner and self.runner.model else 0,
             "kv_cache_shape": tuple(kv[0].shape) if kv else None,
             "num_kv_heads": self.runner.num_kv_heads_local if self.runner and self.runner.model else None,
