@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 .PHONY: venv run test test-fast bench
 venv: $(STAMP)
 
+# Serve the embedded model (OpenAI + TGI HTTP) on http://127.0.0.1:8000 until Ctrl-C.
 run: $(STAMP)
-	$(PY) -m engine --prompt "The capital of France is" --max-tokens 32
+	$(PY) -m router.cli serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

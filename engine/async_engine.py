@@ -90,7 +90,10 @@ class AsyncEngine:
         self._submit(("finish", list(child_ids)))
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        # Token-mode children are looked up now: the stream's cleanup forgets them right after.
+        with self._lock:
+            token_children = [c for c, p in self._token_parent.items() if p == request_id]
+        self._submit(("abort", request_id, token_children))
 
     def stats(self) -> dict:
         with self._lock:
@@ -190,9 +193,7 @@ class AsyncEngine:
         elif kind == "finish":
             eng.core.finish_requests(msg[1], RequestStatus.FINISHED_STOPPED)
         elif kind == "abort":
-            rid = msg[1]
-            with self._lock:
-                token_children = [c for c, p in self._token_parent.items() if p == rid]
+            _, rid, token_children = msg
             if token_children:
                 eng.core.abort_requests(token_children)
             else:

@@ -1,0 +1,75 @@
+"""Build the Serve application: engine replicas (one per TP group) behind one router.
+
+From Python::
+
+    from ray import serve
+    from router import AppConfig, build_app
+
+    handle = serve.run(build_app(AppConfig(num_replicas=2)), name="orbital", route_prefix="/")
+    resp = handle.completions.remote({"prompt": "Hello", "max_tokens": 8}).result()
+    async for chunk in handle.options(stream=True).chat_completions.remote(
+            {"messages": [{"role": "user", "content": "Hi"}], "stream": True}):
+        ...
+
+From a Serve config: `serve run deploy/serve.yaml` (import_path `router.app:app_builder`).
+"""
+from __future__ import annotations
+
+from ray.serve.config import RequestRouterConfig
+
+from router.config import AppConfig
+from router.engine_replica import EngineReplica
+from router.ingress import Router
+
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+def engine_deployment_options(cfg: AppConfig) -> dict:
+    """Serve options of the engine deployment: one placement group (STRICT_PACK) per replica,
+    bundle i for TP rank i; rank 0 runs inside the replica actor (bundle 0)."""
+    bundle = {"CPU": cfg.cpus_per_worker}
+    if cfg.worker_gpus:
+        bundle["GPU"] = cfg.worker_gpus
+    actor = {"num_cpus": cfg.cpus_per_worker}
+    if cfg.worker_gpus:
+        actor["num_gpus"] = cfg.worker_gpus
+    # Room for every accepted request plus control calls (finish, stats, health): the engine's
+    # own queue bound answers 429 long before Serve would start queueing in the caller.
+    max_ongoing = cfg.max_num_seqs + cfg.max_queued_requests_per_replica + 64
+    return dict(
+        num_replicas=cfg.num_replicas,
+        placement_group_bundles=[dict(bundle) for _ in range(cfg.tensor_parallel_size)],
+        placement_group_strategy="STRICT_PACK",
+        ray_actor_options=actor,
+        max_ongoing_requests=max_ongoing,
+        health_check_period_s=10.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=5.0,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.replica_choice:LeastLoadedRouter",
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    )
+
+
+def build_app(cfg: AppConfig | dict | None = None):
+    """The Serve Application (pass it to `serve.run`)."""
+    if cfg is None:
+        cfg = AppConfig()
+    elif isinstance(cfg, dict):
+        cfg = AppConfig(**cfg)
+    engine = EngineReplica.options(**engine_deployment_options(cfg)).bind(
+        cfg.engine_args(), cfg.max_queued_requests_per_replica)
+    router = Router.options(
+        num_replicas=cfg.router_replicas,
+        ray_actor_options={"num_cpus": cfg.router_cpus},
+        max_ongoing_requests=max(1000, 4 * cfg.max_queued_requests),
+        graceful_shutdown_timeout_s=5.0,
+    )
+    return router.bind(engine, cfg.model_dump())
+
+
+def app_builder(args: AppConfig):
+    """Application builder for `serve run` / Serve config files (args validated by AppConfig)."""
+    return build_app(args)

@@ -1,0 +1,61 @@
+"""Bounded queues: past the bound a request is refused at once (HTTP 429 + Retry-After) instead
+of waiting, so accepted requests keep their latency.
+
+Two bounds, both counting *queued* requests (accepted, no token produced yet):
+  * per engine replica (`ReplicaQueue`, checked inside the replica before the engine sees it);
+  * per router replica (`RouterQueue`, checked before tokenizing and routing).
+Requests that are already generating do not count: the engine's batch size limits those.
+"""
+from __future__ import annotations
+
+from engine.errors import OrbitalError
+
+
+class OverloadedError(OrbitalError):
+    """Too many queued requests; the client should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):  # survive the trip from an engine replica to the router
+        return (OverloadedError, (str(self), self.retry_after))
+
+
+class _Queue:
+    def __init__(self, max_queued: int, what: str):
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        self.max_queued, self.what = max_queued, what
+        self.queued: set[str] = set()  # accepted, no output yet
+        self.in_flight = 0
+        self.rejected = 0
+
+    def admit(self, request_id: str) -> None:
+        if len(self.queued) >= self.max_queued:
+            self.rejected += 1
+            raise OverloadedError(f"{self.what} has {len(self.queued)} queued requests (limit "
+                                  f"{self.max_queued}); retry later")
+        self.queued.add(request_id)
+        self.in_flight += 1
+
+    def started(self, request_id: str) -> None:
+        """The request produced its first output: it no longer waits."""
+        self.queued.discard(request_id)
+
+    def done(self, request_id: str) -> None:
+        self.queued.discard(request_id)
+        self.in_flight -= 1
+
+    def stats(self) -> dict:
+        return {"queued": len(self.queued), "in_flight": self.in_flight, "rejected": self.rejected}
+
+
+class RouterQueue(_Queue):
+    def __init__(self, max_queued: int):
+        super().__init__(max_queued, "the router")
+
+
+class ReplicaQueue(_Queue):
+    def __init__(self, max_queued: int):
+        super().__init__(max_queued, "the engine replica")

@@ -1,0 +1,99 @@
+"""`orbital serve`: start a local Ray cluster and serve a model over HTTP until Ctrl-C.
+
+    orbital serve                      # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
+    orbital serve --model ./my-llama --tp 2 --replicas 2 --port 8080 --api-key secret
+
+(`python -m router.cli serve ...` does the same without the console script.)
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orbital", description="Orbital: distributed LLM serving on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve a model (OpenAI + TGI HTTP) until Ctrl-C")
+    s.add_argument("--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    s.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=128)
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
+    s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    s.add_argument("--max-queued-requests", type=int, default=256, help="per router replica; past it 429")
+    s.add_argument("--max-queued-requests-per-replica", type=int, default=64)
+    s.add_argument("--request-timeout-s", type=float, default=600.0)
+    s.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    return p
+
+
+def config_from_args(a: argparse.Namespace):
+    from router.config import AppConfig
+
+    cores = a.num_cpus or os.cpu_count() or 1
+    workers = a.replicas * a.tp
+    cpus = max(1.0, cores // workers) if cores >= workers else cores / workers
+    return AppConfig(
+        model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, device=a.device,
+        tensor_parallel_size=a.tp, num_replicas=a.replicas, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads or max(1, int(cpus)),
+        cpus_per_worker=cpus, max_queued_requests=a.max_queued_requests,
+        max_queued_requests_per_replica=a.max_queued_requests_per_replica, request_timeout_s=a.request_timeout_s,
+        max_request_body_bytes=a.max_request_body_bytes, api_key=a.api_key)
+
+
+def serve_forever(a: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from router.app import build_app
+
+    cfg = config_from_args(a)
+    ray.init(num_cpus=a.num_cpus or os.cpu_count(), include_dashboard=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": a.host, "port": a.port})
+        serve.run(build_app(cfg), name="orbital", route_prefix="/")
+        url = f"http://{a.host}:{a.port}"
+        print(f"Orbital is serving {cfg.model_name} at {url}  (OpenAI: {url}/v1, TGI: {url}/generate, "
+              f"metrics: {url}/metrics). Ctrl-C stops it.", flush=True)
+        stop = {"now": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+        while not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("shutting down...", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.command == "serve":
+        return serve_forever(a)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

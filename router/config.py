@@ -1,0 +1,81 @@
+"""AppConfig: everything a deployment sets (YAML `args`, CLI flags, Python), one pydantic model.
+
+`engine_args()` builds the engine's EngineArgs fields from it (principle 6: one function turns
+the outer config into the inner one).
+"""
+from __future__ import annotations
+
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    # --- the model and the engine ---
+    model: str | None = Field(None, description="Local HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct.")
+    served_model_name: str | None = Field(None, description="Name clients pass as `model` (default: from the path).")
+    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16.")
+    device: str = Field("cpu", description="cpu | cuda.")
+    tensor_parallel_size: int = Field(1, ge=1, description="Workers per engine replica (a TP group).")
+    num_replicas: int = Field(1, ge=1, description="Engine replicas behind the router.")
+    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget per replica.")
+    max_model_len: int | None = Field(None, description="Context length (default: the model's).")
+    max_num_seqs: int = Field(128, ge=1, description="Sequences per engine step.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step.")
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = True
+    num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
+    cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
+    gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
+
+    # --- the router ---
+    router_replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
+    router_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per router replica.")
+    max_queued_requests: int = Field(256, ge=1, description="Queued (no token yet) requests per router replica; past it: 429.")
+    max_queued_requests_per_replica: int = Field(64, ge=1, description="Queued requests per engine replica; past it: 429.")
+    max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Request body limit; past it: 413.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Per-request deadline; past it: 504 (or an error event).")
+    control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
+    api_key: str | None = Field(None, description="Bearer key for /v1 and TGI routes (default: $ORBITAL_API_KEY).")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
+        return v
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "AppConfig":
+        if self.api_key is None and os.environ.get("ORBITAL_API_KEY"):
+            self.api_key = os.environ["ORBITAL_API_KEY"]
+        return self
+
+    @property
+    def model_name(self) -> str:
+        from engine.model.gguf_convert import EMBEDDED_NAME
+
+        if self.served_model_name:
+            return self.served_model_name
+        if not self.model or self.model == "default":
+            return EMBEDDED_NAME
+        return os.path.basename(os.path.normpath(self.model)) or self.model
+
+    @property
+    def worker_gpus(self) -> float:
+        if self.gpus_per_worker is not None:
+            return self.gpus_per_worker
+        return 1.0 if self.device.startswith("cuda") else 0.0
+
+    def engine_args(self) -> dict:
+        """EngineArgs fields (a plain dict, so it travels to replicas as-is)."""
+        return {
+            "model": self.model, "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching, "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens, "max_model_len": self.max_model_len,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "tensor_parallel_size": self.tensor_parallel_size, "served_model_name": self.model_name,
+            "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
+        }

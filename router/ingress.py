@@ -1,0 +1,248 @@
+"""The router: a FastAPI ingress deployment. Tokenizes, applies the chat template, picks an engine
+replica (through the engine handle's RequestRouter), detokenizes incrementally and streams.
+
+HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/models), TGI (/, /generate,
+/generate_stream, /info), operations (/health, /metrics).
+Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
+`handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
+`generate` (TGI), `models`, `health`, `metrics`.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from router.backpressure import RouterQueue
+from router.config import AppConfig
+from router.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
+from router.generation import EngineClient
+from router.metrics import render
+from router.openai_api import OpenAIServing
+from router.replica_choice import known_replicas
+from router.tgi_api import TGIServing
+
+log = logging.getLogger(__name__)
+app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
+install_handlers(app)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+@serve.deployment(name="Router")
+@serve.ingress(app)
+class Router:
+    def __init__(self, engine, config: dict):
+        import torch
+        from transformers import AutoTokenizer
+
+        from engine.input_processor import InputProcessor
+        from engine.model_config import build_model_config
+
+        self.settings = cfg = AppConfig(**config)
+        self.engine = engine
+        # Text lives here: the tokenizer and the model's limits, never its weights.
+        mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
+        inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
+        self.client = EngineClient(engine, tokenizer, inputs, RouterQueue(cfg.max_queued_requests),
+                                   cfg.control_timeout_s)
+        self.openai = OpenAIServing(self.client, cfg.model_name, mc.max_model_len)
+        self.tgi = TGIServing(self.client, cfg.model_name, {
+            "model_id": cfg.model_name, "model_dtype": str(mc.dtype).removeprefix("torch."),
+            "model_device_type": cfg.device, "max_concurrent_requests": cfg.max_queued_requests,
+            "max_input_tokens": mc.max_model_len - 1, "max_total_tokens": mc.max_model_len,
+            "version": "0.1.0", "model_pipeline_tag": "text-generation", "router": "orbital",
+            "max_best_of": 1, "max_stop_sequences": 16, "validation_workers": 1,
+            "max_client_batch_size": 1, "model_sha": None, "sha": None, "docker_label": None})
+        try:
+            self.app_name = serve.get_replica_context().app_name
+        except Exception:  # noqa: BLE001
+            self.app_name = "default"
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        got = request.headers.get("authorization", "")
+        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), key)):
+            raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict:
+        self._auth(request)
+        body = await read_json(request, self.settings.max_request_body_bytes)
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    async def _call(self, coro):
+        """Run an API call under the per-request timeout; stream results get a deadline too."""
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.settings.request_timeout_s):
+            result = await coro
+        if hasattr(result, "__anext__"):
+            return self._with_deadline(result, deadline)
+        return result
+
+    async def _with_deadline(self, it: AsyncIterator[dict], deadline: float) -> AsyncIterator[dict]:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                async with asyncio.timeout_at(loop.time() + max(remaining, 0)):
+                    try:
+                        item = await it.__anext__()
+                    except StopAsyncIteration:
+                        return
+                yield item
+        finally:
+            await it.aclose()
+
+    async def _respond(self, request: Request, make, tgi: bool = False) -> Response:
+        """`make(body)` -> coroutine of a dict or of an async iterator of chunk dicts."""
+        try:
+            result = await self._call(make(await self._body(request)))
+            if not hasattr(result, "__anext__"):
+                return JSONResponse(result)
+            first = await result.__anext__()  # errors before the first chunk keep their HTTP status
+        except Exception as e:  # noqa: BLE001 - every error in the API's shape
+            return error_response(e, api_path(request))
+        return StreamingResponse(self._sse_stream(api_path(request), first, result, tgi),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _sse_stream(self, path: str, first: dict, rest: AsyncIterator[dict], tgi: bool):
+        try:
+            yield _sse(first)
+            async for chunk in rest:
+                yield _sse(chunk)
+        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
+            err = to_api_error(e)
+            yield _sse(err.tgi_body() if tgi else err.openai_body())
+        finally:
+            await rest.aclose()
+        if not tgi:
+            yield "data: [DONE]\n\n"
+
+    # --- OpenAI -----------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def http_completions(self, request: Request):
+        return await self._respond(request, self.openai.completions)
+
+    @app.post("/v1/chat/completions")
+    async def http_chat_completions(self, request: Request):
+        return await self._respond(request, self.openai.chat_completions)
+
+    @app.get("/v1/models")
+    async def http_models(self, request: Request):
+        try:
+            self._auth(request)
+        except APIError as e:
+            return error_response(e, api_path(request))
+        return self.openai.models()
+
+    # --- TGI --------------------------------------------------------------------------------
+
+    @app.post("/generate")
+    async def http_generate(self, request: Request):
+        return await self._respond(request, self.tgi.generate, tgi=True)
+
+    @app.post("/generate_stream")
+    async def http_generate_stream(self, request: Request):
+        return await self._respond(request, self.tgi.generate_stream, tgi=True)
+
+    @app.post("/")
+    async def http_compat_generate(self, request: Request):
+        """TGI's compat route (what InferenceClient(base_url) posts to): `stream` picks the kind."""
+        return await self._respond(request, self._compat, tgi=True)
+
+    async def _compat(self, body: dict):
+        if body.get("stream"):
+            return await self.tgi.generate_stream(body)
+        return [await self.tgi.generate(body)]
+
+    @app.get("/info")
+    async def http_info(self):
+        return self.tgi.info()
+
+    # --- operations -------------------------------------------------------------------------
+
+    async def _replicas(self) -> list[str]:
+        name = self.engine.deployment_name
+        ids = [r for r, _ in known_replicas(self.app_name, name)]
+        if not ids:  # the handle's router starts on first use
+            try:
+                await asyncio.wait_for(self.engine.stats.remote(), self.settings.control_timeout_s)
+            except Exception:  # noqa: BLE001
+                pass
+            ids = [r for r, _ in known_replicas(self.app_name, name)]
+        return ids
+
+    async def _fan_out(self, method: str) -> list[tuple[str, object]]:
+        ids = await self._replicas()
+
+        async def one(rid: str):
+            try:
+                call = getattr(self.engine, method).remote(replica_id=rid)
+                return rid, await asyncio.wait_for(call, self.settings.control_timeout_s)
+            except Exception as e:  # noqa: BLE001
+                return rid, e
+        return list(await asyncio.gather(*(one(r) for r in ids)))
+
+    async def health(self) -> dict:
+        results = await self._fan_out("check_health")
+        bad = [r for r, v in results if isinstance(v, BaseException)]
+        ok = len(results) >= self.settings.num_replicas and not bad
+        return {"status": "ok" if ok else "unavailable", "replicas": len(results),
+                "expected_replicas": self.settings.num_replicas, "unhealthy": bad}
+
+    async def replica_stats(self) -> list[dict]:
+        return [v for _, v in await self._fan_out("stats") if isinstance(v, dict)]
+
+    async def metrics(self) -> bytes:
+        router = self.client.queue.stats()
+        return render(self.settings.model_name, await self.replica_stats(), router)
+
+    @app.get("/health")
+    async def http_health(self):
+        h = await self.health()
+        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    async def http_metrics(self):
+        return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # --- Python handle API ------------------------------------------------------------------
+
+    async def completions(self, body: dict):
+        return await self._call(self.openai.completions(body))
+
+    async def chat_completions(self, body: dict):
+        return await self._call(self.openai.chat_completions(body))
+
+    async def generate(self, body: dict):
+        if body.get("stream"):
+            return await self._call(self.tgi.generate_stream(body))
+        return await self._call(self.tgi.generate(body))
+
+    async def models(self) -> dict:
+        return self.openai.models()
+
+    def routed_counts(self) -> dict[str, int]:
+        """Requests this router replica sent to each engine replica (tests, debugging)."""
+        return dict(self.client.replica_counts)
+
+
+

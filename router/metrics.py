@@ -1,0 +1,142 @@
+"""Prometheus metrics: engine replicas keep counters and latency histograms as plain numbers,
+the router sums them over replicas and renders one Prometheus text page (names as in vLLM,
+`orbital:` prefix, a `model_name` label).
+
+Histograms live in the engine replicas (they see every token as it is produced), so the page
+is the same whichever router replica serves `/metrics` and however many engine replicas there
+are. The router adds only what it alone knows (rejections, requests in flight at the router).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# Bucket bounds as vLLM uses them.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+HISTOGRAMS = {
+    "time_to_first_token_seconds": (TTFT_BUCKETS, "Time to first token (from router arrival)."),
+    "inter_token_latency_seconds": (ITL_BUCKETS, "Time between consecutive output tokens."),
+    "e2e_request_latency_seconds": (REQUEST_BUCKETS, "End-to-end request latency (from router arrival)."),
+    "request_queue_time_seconds": (REQUEST_BUCKETS, "Time a request waited before it was first scheduled."),
+}
+COUNTERS = {
+    "prompt_tokens": "Prompt tokens processed.",
+    "generation_tokens": "Generation tokens produced.",
+    "prefix_cache_queries": "Prefix cache queries, in tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "num_preemptions": "Requests preempted by the scheduler.",
+}
+
+
+@dataclass
+class Histogram:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket (not cumulative), +Inf last
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts), "sum": self.total}
+
+    def merge(self, d: dict) -> None:
+        for i, c in enumerate(d["counts"]):
+            self.counts[i] += c
+        self.total += d["sum"]
+
+
+def new_histograms() -> dict[str, Histogram]:
+    return {name: Histogram(bounds) for name, (bounds, _) in HISTOGRAMS.items()}
+
+
+class _Snapshot:
+    """A prometheus_client collector over one already-aggregated snapshot."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+def aggregate(replica_stats: list[dict]) -> dict:
+    """Sum the engine replicas' stats (gauges, counters, histogram buckets)."""
+    hist = new_histograms()
+    agg = {"num_running": 0, "num_waiting": 0, "blocks_used": 0, "num_blocks": 0,
+           "finished": {}, "rejected": 0, **{k: 0 for k in COUNTERS}}
+    for s in replica_stats:
+        for k in ("num_running", "num_waiting", "blocks_used", "num_blocks", *COUNTERS):
+            agg[k] += s.get(k, 0)
+        agg["rejected"] += s.get("queue", {}).get("rejected", 0)
+        for reason, n in s.get("finished", {}).items():
+            agg["finished"][reason] = agg["finished"].get(reason, 0) + n
+        for name, d in s.get("histograms", {}).items():
+            if name in hist:
+                hist[name].merge(d)
+    agg["kv_cache_usage"] = agg["blocks_used"] / agg["num_blocks"] if agg["num_blocks"] else 0.0
+    agg["histograms"] = hist
+    return agg
+
+
+def render(model_name: str, replica_stats: list[dict], router: dict) -> bytes:
+    """Prometheus text exposition of the aggregated stats plus the router's own numbers."""
+    agg = aggregate(replica_stats)
+    labels, lv = ["model_name"], [model_name]
+    fams = []
+
+    def gauge(name: str, doc: str, value: float) -> None:
+        g = GaugeMetricFamily(f"orbital:{name}", doc, labels=labels)
+        g.add_metric(lv, value)
+        fams.append(g)
+
+    def counter(name: str, doc: str, value: float) -> None:
+        c = CounterMetricFamily(f"orbital:{name}", doc, labels=labels)
+        c.add_metric(lv, value)
+        fams.append(c)
+
+    gauge("num_requests_running", "Requests in the engines' running batches.", agg["num_running"])
+    gauge("num_requests_waiting", "Requests waiting in the engines' queues.", agg["num_waiting"])
+    gauge("kv_cache_usage_perc", "KV cache usage (1 = full), over all replicas.", agg["kv_cache_usage"])
+    gauge("num_replicas", "Engine replicas the router knows.", len(replica_stats))
+    gauge("router_requests_in_flight", "Requests in this router replica.", router.get("in_flight", 0))
+    gauge("router_requests_queued", "Requests in this router replica with no token yet.", router.get("queued", 0))
+    for name, doc in COUNTERS.items():
+        counter(name, doc, agg[name])
+    counter("num_requests_rejected", "Requests rejected with 429 (overload), router and replicas.",
+            router.get("rejected", 0) + agg["rejected"])
+    success = CounterMetricFamily("orbital:request_success", "Finished requests by finish reason.",
+                                  labels=["model_name", "finished_reason"])
+    for reason in sorted(set(agg["finished"]) | {"stop", "length", "abort"}):
+        success.add_metric([model_name, reason], agg["finished"].get(reason, 0))
+    fams.append(success)
+    for name, (bounds, doc) in HISTOGRAMS.items():
+        h = agg["histograms"][name]
+        cum, buckets = 0, []
+        for bound, c in zip(list(bounds) + [float("inf")], h.counts):
+            cum += c
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
+        fam = HistogramMetricFamily(f"orbital:{name}", doc, labels=labels)
+        fam.add_metric(lv, buckets, h.total)
+        fams.append(fam)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(fams))
+    return generate_latest(registry)

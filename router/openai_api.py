@@ -1,0 +1,223 @@
+"""OpenAI API on top of EngineClient: request -> SamplingParams, RequestOutputs -> responses.
+
+`completions(body)` / `chat_completions(body)` return a response dict, or (stream=True) an async
+iterator of chunk dicts; the HTTP layer adds SSE framing and `data: [DONE]`, the Python handle
+API hands the dicts out as they are.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from router.errors import APIError
+from router.generation import EngineClient, new_request_id
+from router.openai_logprobs import chat_logprobs, completion_logprobs
+from router.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.streams import collect, merge
+
+
+def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
+    return SamplingParams(
+        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+
+
+def _usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def _check_errors(out: RequestOutput) -> None:
+    if out.error is not None:
+        raise APIError(400, out.error)
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, model_name: str, max_model_len: int):
+        self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
+
+    def models(self) -> dict:
+        card = ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model_name):
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    # --- /v1/completions --------------------------------------------------------------------
+
+    async def completions(self, body: dict):
+        req = CompletionRequest.model_validate(body)
+        self.check_model(req.model)
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError("best_of must equal n (or be left out)", param="best_of")
+        prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = _sampling(req, req.max_tokens, req.logprobs, prompt_lp)
+        prompts = self._prompts(req.prompt)
+        rid, arrival = new_request_id("cmpl"), time.time()
+        streams = [self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority)
+                   for i, (text, ids) in enumerate(prompts)]
+        if req.stream:
+            return self._stream_completions(req, rid, prompts, streams, params.n)
+        outs = await collect(streams)
+        choices = []
+        for i, out in enumerate(outs):
+            _check_errors(out)
+            echo = self._prompt_text(out) if req.echo else ""
+            for c in out.outputs:
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(c.logprobs or [], out.prompt_logprobs if req.echo else None,
+                                             out.prompt_token_ids, self.client.outputs._token_str, 0)
+                choices.append({"index": i * params.n + c.index, "text": echo + c.text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": int(arrival), "model": self.model_name,
+                "choices": choices, "usage": _usage(sum(len(ids) for _, ids in prompts), outs)}
+
+    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, list) and not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        items = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+        return [self.client.inputs.tokenize(p) for p in items]
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.client.tokenizer.decode(out.prompt_token_ids)
+
+    async def _stream_completions(self, req: CompletionRequest, rid: str, prompts, streams, n: int
+                                  ) -> AsyncIterator[dict]:
+        created = int(time.time())
+        finals: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}  # choice index -> characters sent (logprobs text_offset)
+        done: set[int] = set()
+        async with aclosing(merge(streams)) as merged:
+            async for i, out in merged:
+                _check_errors(out)
+                if out.finished:
+                    finals[i] = out
+                choices = self._completion_choices(req, out, i * n, offsets, done)
+                if choices:
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": choices}
+        if req.stream_options and req.stream_options.include_usage:
+            usage = _usage(sum(len(ids) for _, ids in prompts), list(finals.values()))
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [], "usage": usage}
+
+    def _completion_choices(self, req: CompletionRequest, out: RequestOutput, base: int,
+                            offsets: dict[int, int], done: set[int]) -> list[dict]:
+        """Stream choices for one RequestOutput: only sequences with news (text, logprobs, end)."""
+        choices = []
+        for c in out.outputs:
+            idx = base + c.index
+            if idx in done:
+                continue
+            text, prompt_lps = c.text_delta, None
+            if req.echo and idx not in offsets:
+                text, prompt_lps = self._prompt_text(out) + text, out.prompt_logprobs
+            if not text and not c.finished and not c.logprobs_delta:
+                continue
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(c.logprobs_delta or [], prompt_lps, out.prompt_token_ids,
+                                         self.client.outputs._token_str, offsets.get(idx, 0))
+            offsets[idx] = offsets.get(idx, 0) + len(text)
+            if c.finished:
+                done.add(idx)
+            choices.append({"index": idx, "text": text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return choices
+
+    # --- /v1/chat/completions ---------------------------------------------------------------
+
+    async def chat_completions(self, body: dict):
+        req = ChatCompletionRequest.model_validate(body)
+        self.check_model(req.model)
+        if req.tools:
+            raise InvalidRequestError("tools are not supported", param="tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        text, ids = self.client.inputs.tokenize_chat(
+            messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs)
+        rid, arrival = new_request_id("chatcmpl"), time.time()
+        stream = self.client.generate(rid, text, ids, params, arrival, req.priority)
+        if req.stream:
+            return self._stream_chat(req, rid, len(ids), stream)
+        (out,) = await collect([stream])
+        _check_errors(out)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c.logprobs, self.client.outputs._token_str) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": int(arrival), "model": self.model_name,
+                "choices": choices, "usage": _usage(len(ids), [out])}
+
+    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, num_prompt: int, stream
+                           ) -> AsyncIterator[dict]:
+        created = int(time.time())
+        started: set[int] = set()
+        done: set[int] = set()
+        last = None
+
+        def chunk(choices: list[dict]) -> dict:
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": choices}
+
+        async for out in _closing(stream):
+            _check_errors(out)
+            last = out
+            choices = []
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                delta: dict = {}
+                if c.index not in started:
+                    started.add(c.index)
+                    delta["role"] = "assistant"
+                    delta["content"] = c.text_delta
+                elif c.text_delta:
+                    delta["content"] = c.text_delta
+                if not delta and not c.finished and not c.logprobs_delta:
+                    continue
+                lp = chat_logprobs(c.logprobs_delta or [], self.client.outputs._token_str) if req.logprobs else None
+                if c.finished:
+                    done.add(c.index)
+                choices.append({"index": c.index, "delta": delta, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if choices:
+                yield chunk(choices)
+        if req.stream_options and req.stream_options.include_usage and last is not None:
+            yield {**chunk([]), "usage": _usage(num_prompt, [last])}
+
+
+
+async def _closing(stream: AsyncIterator) -> AsyncIterator:
+    """Iterate and always close `stream` (a consumer that stops early must not leave it to GC)."""
+    async with aclosing(stream):
+        async for item in stream:
+            yield item

@@ -1,0 +1,98 @@
+"""One local Ray cluster + Serve instance for all of tests/router (starting Ray, Serve and the
+model costs ~30-60 s here), with two applications:
+
+  * `main` at /        : 2 engine replicas, defaults (no API key), float32, small KV budget;
+  * `strict` at /strict: 1 replica, API key, tiny queues (max 2 running, 1 queued per replica,
+    2 queued in the router), 64 KiB body limit, 8 s request timeout.
+Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
+"""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+STRICT_KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, headers=None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(f"{url}/health", headers=headers, timeout=10)
+            if last.status_code == 200:
+                return
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} never became healthy: {last!r}")
+
+
+BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1, cpus_per_worker=1.0)
+
+
+@pytest.fixture(scope="package")
+def serve_cluster():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from router.app import build_app
+    from router.config import AppConfig
+
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        main_cfg = AppConfig(**BASE, num_replicas=2)
+        strict_cfg = AppConfig(**BASE, num_replicas=1, api_key=STRICT_KEY, max_num_seqs=2,
+                               max_queued_requests_per_replica=1, max_queued_requests=2,
+                               max_request_body_bytes=64 << 10, request_timeout_s=8.0)
+        handle = serve.run(build_app(main_cfg), name="main", route_prefix="/")
+        strict = serve.run(build_app(strict_cfg), name="strict", route_prefix="/strict")
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url)
+        _wait_healthy(f"{url}/strict")
+        yield {"url": url, "strict_url": f"{url}/strict", "handle": handle, "strict_handle": strict,
+               "main_cfg": main_cfg, "strict_cfg": strict_cfg, "strict_key": STRICT_KEY}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def base_url(serve_cluster) -> str:
+    return serve_cluster["url"]
+
+
+@pytest.fixture(scope="package")
+def offline_llm():
+    """The offline engine with the same settings, for greedy-equality checks."""
+    from engine import LLM
+
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1)
+    yield llm
+    llm.shutdown()
+
+
+def metrics(url: str, headers=None) -> dict[str, float]:
+    """Parse /metrics with prometheus_client's parser: {sample name{labels}: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out

@@ -1,0 +1,139 @@
+"""Operations: /health, /metrics (parsed, moving with traffic), disconnect frees KV blocks,
+overload gets 429 + Retry-After while accepted requests finish, API key, timeout, two replicas."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.router.conftest import metrics
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(pred, timeout=30.0, every=0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    return pred()
+
+
+def test_health(base_url, serve_cluster):
+    r = httpx.get(f"{base_url}/health", timeout=30)
+    assert r.status_code == 200 and r.json()["replicas"] == 2
+
+
+def test_metrics_move_with_traffic(base_url):
+    before = metrics(base_url)
+    for name in ("orbital:num_requests_running", "orbital:num_requests_waiting", "orbital:kv_cache_usage_perc",
+                 "orbital:prefix_cache_queries_total", "orbital:prefix_cache_hits_total",
+                 "orbital:num_preemptions_total", "orbital:prompt_tokens_total", "orbital:generation_tokens_total",
+                 "orbital:time_to_first_token_seconds_count", "orbital:inter_token_latency_seconds_count",
+                 "orbital:e2e_request_latency_seconds_count", "orbital:request_queue_time_seconds_count"):
+        assert name in before, name
+    prompt = "A shared prefix that is long enough to fill at least one whole KV block of sixteen tokens. " * 2
+    for _ in range(2):
+        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200
+    after = metrics(base_url)
+    assert after["orbital:generation_tokens_total"] >= before["orbital:generation_tokens_total"] + 10
+    assert after["orbital:prompt_tokens_total"] > before["orbital:prompt_tokens_total"]
+    assert after["orbital:time_to_first_token_seconds_count"] >= before["orbital:time_to_first_token_seconds_count"] + 2
+    assert after["orbital:inter_token_latency_seconds_count"] >= before["orbital:inter_token_latency_seconds_count"] + 8
+    assert after["orbital:e2e_request_latency_seconds_count"] >= before["orbital:e2e_request_latency_seconds_count"] + 2
+    assert after["orbital:prefix_cache_queries_total"] > before["orbital:prefix_cache_queries_total"]
+    assert after["orbital:request_success_total{finished_reason=length}"] >= \
+        before["orbital:request_success_total{finished_reason=length}"] + 2
+
+
+def test_disconnect_frees_blocks(base_url):
+    before = metrics(base_url)
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", f"{base_url}/v1/completions",
+                      json={"prompt": "Write a very long essay about the sea.", "max_tokens": 1000,
+                            "ignore_eos": True, "temperature": 0, "stream": True}) as s:
+            n = 0
+            for line in s.iter_lines():
+                n += line.startswith("data:")
+                if n >= 3:
+                    break
+    # The client is gone: the request is aborted and every KV block returns to the pool.
+    after = _wait(lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
+                  and m["orbital:kv_cache_usage_perc"] == 0.0 and m)
+    assert after, metrics(base_url)
+    assert after["orbital:request_success_total{finished_reason=abort}"] == \
+        before["orbital:request_success_total{finished_reason=abort}"] + 1
+    generated = after["orbital:generation_tokens_total"] - before["orbital:generation_tokens_total"]
+    assert generated < 200  # stopped long before max_tokens
+
+
+async def _overload(url: str, key: str, n: int):
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"prompt": "Count to twenty:", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+
+    async with httpx.AsyncClient(timeout=120, headers=headers) as c:
+        async def one():
+            t = time.monotonic()
+            r = await c.post(f"{url}/v1/completions", json=body)
+            return r, time.monotonic() - t
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def test_overload_429(serve_cluster):
+    url, key = serve_cluster["strict_url"], serve_cluster["strict_key"]
+    results = asyncio.run(_overload(url, key, 12))
+    ok = [(r, t) for r, t in results if r.status_code == 200]
+    busy = [(r, t) for r, t in results if r.status_code == 429]
+    assert len(ok) + len(busy) == 12, [r.status_code for r, _ in results]
+    assert ok and busy
+    for r, _ in busy:
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    for r, _ in ok:
+        assert r.json()["usage"]["completion_tokens"] == 24
+    assert max(t for _, t in busy) < min(t for _, t in ok)  # refused at once, before any finished
+    m = metrics(url, headers={"Authorization": f"Bearer {key}"})
+    assert m["orbital:num_requests_rejected_total"] >= len(busy)
+
+
+def test_api_key(serve_cluster):
+    url, key = serve_cluster["strict_url"], serve_cluster["strict_key"]
+    body = {"prompt": "hi", "max_tokens": 1}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=30, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 401
+    assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # operations stay open
+
+
+def test_request_timeout(serve_cluster):
+    url, key = serve_cluster["strict_url"], serve_cluster["strict_key"]
+    headers = {"Authorization": f"Bearer {key}"}
+    t = time.monotonic()
+    r = httpx.post(f"{url}/v1/completions", timeout=120, headers=headers,
+                   json={"prompt": "Go on forever:", "max_tokens": 1200, "ignore_eos": True})
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert time.monotonic() - t < 30
+    done = _wait(lambda: metrics(url, headers)["orbital:num_requests_running"] == 0)
+    assert done  # the timed-out request was aborted in the engine
+
+
+def test_two_replicas_share_load(serve_cluster, base_url):
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*(c.post(f"{base_url}/v1/completions",
+                                               json={"prompt": f"Number {i}:", "max_tokens": 6, "ignore_eos": True})
+                                        for i in range(8)))
+            return [r.status_code for r in rs]
+    assert asyncio.run(burst()) == [200] * 8
+    counts = serve_cluster["handle"].routed_counts.remote().result()
+    assert len(counts) == 2 and all(v >= 2 for v in counts.values()), counts

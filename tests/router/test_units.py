@@ -1,0 +1,151 @@
+"""Fast checks of the router's parts without Ray: metrics text, queues, config, error mapping,
+request models, TGI parameter mapping, replica ranking, the Serve YAML."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from engine.errors import EngineDeadError, InvalidRequestError
+from router.backpressure import OverloadedError, ReplicaQueue, RouterQueue
+from router.config import AppConfig
+from router.errors import APIError, to_api_error
+from router.metrics import HISTOGRAMS, Histogram, new_histograms, render
+from router.openai_models import ChatCompletionRequest, CompletionRequest
+from router.replica_choice import replica_load
+from router.tgi_api import sampling_params
+from router.tgi_models import GenerateParameters
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _replica(**kw):
+    h = new_histograms()
+    h["time_to_first_token_seconds"].observe(0.03)
+    h["e2e_request_latency_seconds"].observe(1.2)
+    s = {"num_running": 2, "num_waiting": 1, "blocks_used": 10, "num_blocks": 100, "prompt_tokens": 50,
+         "generation_tokens": 20, "prefix_cache_queries": 64, "prefix_cache_hits": 16, "num_preemptions": 1,
+         "finished": {"length": 3, "abort": 1}, "queue": {"rejected": 2},
+         "histograms": {k: v.to_dict() for k, v in h.items()}}
+    s.update(kw)
+    return s
+
+
+def test_metrics_render_parses_and_aggregates():
+    text = render("m", [_replica(), _replica(blocks_used=30)], {"in_flight": 3, "queued": 1, "rejected": 1})
+    fams = {f.name: f for f in text_string_to_metric_families(text.decode())}
+    val = {s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
+           for f in fams.values() for s in f.samples}
+    assert val["orbital:num_requests_running[]"] == 4
+    assert val["orbital:kv_cache_usage_perc[]"] == pytest.approx(0.2)
+    assert val["orbital:prompt_tokens_total[]"] == 100
+    assert val["orbital:num_requests_rejected_total[]"] == 5
+    assert val["orbital:request_success_total[('finished_reason', 'abort')]"] == 2
+    assert val["orbital:time_to_first_token_seconds_count[]"] == 2
+    assert val["orbital:time_to_first_token_seconds_bucket[('le', '0.04')]"] == 2
+    assert val["orbital:time_to_first_token_seconds_bucket[('le', '0.02')]"] == 0
+    assert val["orbital:e2e_request_latency_seconds_sum[]"] == pytest.approx(2.4)
+    assert all(s.labels.get("model_name") == "m" for f in fams.values() for s in f.samples)
+    for name in HISTOGRAMS:
+        assert f"orbital:{name}" in fams
+
+
+def test_histogram_buckets():
+    h = Histogram((1.0, 2.0))
+    for v in (0.5, 1.0, 1.5, 5.0):
+        h.observe(v)
+    assert h.counts == [2, 1, 1] and h.count == 4 and h.total == 8.0
+
+
+def test_queues():
+    q = RouterQueue(2)
+    q.admit("a")
+    q.admit("b")
+    with pytest.raises(OverloadedError) as e:
+        q.admit("c")
+    assert e.value.retry_after == 1 and q.stats()["rejected"] == 1
+    q.started("a")  # generating: no longer queued
+    q.admit("c")
+    assert q.stats() == {"queued": 2, "in_flight": 3, "rejected": 1}
+    for r in "abc":
+        q.done(r)
+    assert q.stats()["in_flight"] == 0
+    import pickle
+
+    err = pickle.loads(pickle.dumps(OverloadedError("x", 3)))
+    assert err.retry_after == 3 and str(err) == "x"
+    with pytest.raises(ValueError):
+        ReplicaQueue(0)
+
+
+def test_error_mapping():
+    assert to_api_error(InvalidRequestError("bad", param="n")).status == 400
+    e = to_api_error(OverloadedError("busy"))
+    assert e.status == 429 and e.headers["Retry-After"] == "1" and e.openai_body()["error"]["type"] == "rate_limit_error"
+    assert to_api_error(EngineDeadError("x")).status == 503
+    assert to_api_error(TimeoutError()).status == 504
+    assert to_api_error(RuntimeError("boom")).status == 500
+    e = APIError(400, "no", param="p")
+    assert e.tgi_status() == 422 and e.tgi_body() == {"error": "no", "error_type": "validation"}
+    with pytest.raises(ValidationError) as v:
+        CompletionRequest.model_validate({"prompt": "x", "max_tokens": "many"})
+    assert to_api_error(v.value).param == "max_tokens"
+
+
+def test_request_models():
+    r = CompletionRequest.model_validate({"prompt": [1, 2, 3], "unknown_field": 1})
+    assert r.prompt == [1, 2, 3] and r.max_tokens == 16
+    c = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert c.messages[0].text() == "ab" and c.max_tokens is None
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"messages": []})
+
+
+def test_tgi_sampling():
+    greedy = sampling_params(GenerateParameters(), want_logprobs=False)
+    assert greedy.temperature == 0.0 and greedy.max_tokens == 100 and greedy.logprobs is None
+    s = sampling_params(GenerateParameters(do_sample=True, temperature=0.7, stop=["\n"], seed=1), want_logprobs=True)
+    assert s.temperature == 0.7 and s.include_stop_str_in_output and s.logprobs == 0 and s.seed == 1
+    assert sampling_params(GenerateParameters(top_k=5), False).temperature == 1.0  # top_k implies sampling
+    with pytest.raises(InvalidRequestError):
+        sampling_params(GenerateParameters(temperature=0.0), False)
+    with pytest.raises(InvalidRequestError):
+        sampling_params(GenerateParameters(max_new_tokens=0), False)
+
+
+def test_replica_load_ranking():
+    idle = replica_load(0, {"num_waiting": 0, "kv_usage": 0.1})
+    busy = replica_load(3, {"num_waiting": 0, "kv_usage": 0.0})
+    assert idle < busy
+    assert replica_load(None, {"in_flight": 2}) == 2  # no cache entry: the replica's own figure
+    assert replica_load(1, {"kv_usage": 0.9}) > replica_load(1, {"kv_usage": 0.1})
+
+
+def test_config_and_yaml():
+    with pytest.raises(ValidationError):
+        AppConfig(tensor_parallel_size=0)
+    with pytest.raises(ValidationError):
+        AppConfig(no_such_key=1)
+    cfg = AppConfig(model="/models/my-llama", num_threads=2)
+    assert cfg.model_name == "my-llama" and cfg.engine_args()["num_threads"] == 2
+    raw = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
+    app = raw["applications"][0]
+    assert app["import_path"] == "router.app:app_builder"
+    assert AppConfig(**app["args"]).model_name == "SmolLM2-135M-Instruct"
+
+
+def test_engine_deployment_options():
+    from router.app import engine_deployment_options
+
+    o = engine_deployment_options(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=2))
+    assert o["placement_group_bundles"] == [{"CPU": 2.0}] * 3 and o["placement_group_strategy"] == "STRICT_PACK"
+    assert o["num_replicas"] == 2 and o["ray_actor_options"] == {"num_cpus": 2.0}
+    g = engine_deployment_options(AppConfig(device="cuda", tensor_parallel_size=2))
+    assert g["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
