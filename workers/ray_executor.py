@@ -22,7 +22,7 @@ from engine.executor import Executor
 from engine.model_config import ModelConfig
 from workers.placement import ensure_ray, place_group, rank_resources
 from workers.sharding import check_tp_compatible
-from workers.transport import make_transport
+from workers.transport import default_transport, make_transport
 from workers.worker import StepInput, TPWorker, sampled_delta
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class RayExecutor(Executor):
             budgets = ray.get([w.load.remote(model_config, cache_config) for w in self.workers], timeout=t)
             self.num_blocks = min(budgets)
             self._bytes_per_block = ray.get([w.init_kv_cache.remote(self.num_blocks) for w in self.workers], timeout=t)[0]
-            kind = transport or os.environ.get("ORBITAL_TP_TRANSPORT", "compiled_graph")
+            kind = transport or default_transport(self.device.type, tp, max(1, int(num_cpus_per_worker)))
             self.transport = make_transport(kind, self.workers)
         except BaseException:
             self.shutdown()

@@ -1,12 +1,18 @@
 """How the driver hands one step to every rank and gets rank 0's answer back.
 
-Two ways, same interface: plain actor calls (~1 ms round trip here) and a Ray Compiled Graph
-(`ray.dag`, ~0.3 ms: the input goes through shared-memory channels to a loop already running
-in each actor). `workers/bench_tp.py` measures both; the executor uses the compiled graph by
-default. Both surface a dead or failed rank as an exception instead of waiting forever.
+Two ways, same interface: plain actor calls (~0.8-1.4 ms round trip here) and a Ray Compiled
+Graph (`ray.dag`, ~0.1-0.4 ms: the input goes through shared-memory channels to a loop already
+running in each actor). Both surface a dead or failed rank as an exception, never a hang.
+
+Compiled graphs busy-poll their channels: every rank's loop spins while idle (measured ~0.6 of
+a core each) and the driver spins while it waits for a step (~1 core). Where cores are spare
+(GPU nodes, big CPU hosts) that buys the lowest latency; where the ranks need every core (this
+2-core CPU box) it steals them from the model and tp=2 steps got ~3x slower. `default_transport`
+picks accordingly; `workers/bench_tp.py` measures both.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -56,6 +62,18 @@ class CompiledGraphTransport:
             self.graph.teardown()
         except Exception:
             pass
+
+
+def default_transport(device_type: str, tp: int, threads_per_rank: int = 1) -> str:
+    """ORBITAL_TP_TRANSPORT if set; else compiled graphs on CUDA or when the spinning readers
+    (tp rank loops + the driver) each get a core the ranks' compute does not use."""
+    env = os.environ.get("ORBITAL_TP_TRANSPORT")
+    if env:
+        return env
+    if device_type == "cuda":
+        return "compiled_graph"
+    spare = (os.cpu_count() or 1) - tp * threads_per_rank
+    return "compiled_graph" if spare >= tp + 1 else "actor_calls"
 
 
 def make_transport(kind: str, actors: list):

@@ -8,6 +8,7 @@ the ModelRunnerOutput; the other ranks return None.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,7 @@ class TPWorker:
         self._broken: str | None = None
         self._fail_next = False
         self._rendezvous: tuple[str, int] | None = None
+        self._steps, self._busy_s = 0, 0.0  # time inside the model runner (benchmarks)
 
     # ---- set-up, called once in this order ----
     def open_rendezvous(self) -> tuple[str, int]:
@@ -86,7 +88,11 @@ class TPWorker:
                     st = states.get(rid)
                     if st is not None:
                         st.output_token_ids.extend(toks)
-            return self.runner.execute_model(inp.so)
+            t0 = time.perf_counter()
+            out = self.runner.execute_model(inp.so)
+            self._busy_s += time.perf_counter() - t0
+            self._steps += 1
+            return out
         except BaseException as e:
             self._broken = f"{type(e).__name__}: {e}"
             # Leave the group so peers blocked in a collective with us fail instead of hanging.
@@ -114,6 +120,13 @@ class TPWorker:
             "num_kv_heads": self.runner.num_kv_heads_local if self.runner and self.runner.model else None,
             "num_threads": torch.get_num_threads(), "device": str(self.device),
         }
+
+    def step_stats(self, reset: bool = False) -> tuple[int, float]:
+        """(steps, seconds spent in the model runner) since the last reset."""
+        stats = (self._steps, self._busy_s)
+        if reset:
+            self._steps, self._busy_s = 0, 0.0
+        return stats
 
     def fail_next_step(self) -> None:
         """Test hook: the next `execute` raises as if the model had failed on this rank."""

@@ -19,7 +19,12 @@ def save_tiny_llama(path, seed: int = 0, tokenizer_from=None, **overrides):
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(**{**TINY, **overrides}, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # transformers initialises biases to zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
     if tokenizer_from is not None:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tokenizer_from / f, path / f)
@@ -63,3 +68,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, hf_model
         lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(g.logits, ids)]
         out.append((ids, lps))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_biased_dir(tmp_path_factory, smollm_dir):
+    """Biases everywhere (column and row parallel; the row bias must be added once) and tied
+    embeddings (the vocab-parallel embedding doubles as the LM head)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-biased"), seed=2, tokenizer_from=smollm_dir,
+                           attention_bias=True, mlp_bias=True, tie_word_embeddings=True, vocab_size=509)

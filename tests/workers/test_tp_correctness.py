@@ -98,6 +98,20 @@ def test_mqa_kv_head_replicated_over_ranks(ray_local, tiny_mqa_dir):
         llm.shutdown()
 
 
+def test_biases_and_tied_padded_vocab_at_tp2(ray_local, tiny_biased_dir):
+    """Row-parallel bias added once, column biases sharded, tied head over a vocab (509) that
+    does not divide by tp (the last shard is padded and the padding cut from the logits)."""
+    prompts = [[1, 2, 3, 508, 507], list(range(200, 230))]
+    expected = hf_greedy(tiny_biased_dir, prompts, NEW)
+    llm = LLM(str(tiny_biased_dir), tensor_parallel_size=2, **TINY_ARGS)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        _assert_same([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs], expected)
+    finally:
+        llm.shutdown()
+
+
 def test_tp_that_does_not_divide_the_model_is_refused(tiny_llama_dir):
     # 8 heads over 3 ranks: refused in the driver, before any Ray actor starts.
     with pytest.raises(InvalidRequestError, match="8 attention heads are not divisible by 3"):

@@ -1,0 +1,197 @@
+"""Tensor-parallel benchmark: per-step overhead of the Ray executor against in-process, and
+tokens/s at several tensor-parallel degrees, on the same batch.
+
+    python -m workers.bench_tp                          # SmolLM2-135M-shaped random Llama, tp 1/2/3
+    python -m workers.bench_tp --model default --tp 3   # the embedded SmolLM2 itself (9 heads: tp 1 or 3)
+
+SmolLM2 has 9 heads and 3 KV heads, so it does not split over 2 ranks; the default model is
+a random Llama of the same size (hidden 576, 30 layers, vocab 49152) with 12 heads and
+6 KV heads, which splits over 1, 2 and 3 ranks. It is built with transformers, never downloaded.
+
+Overhead = time the driver spends in `executor.execute_model` minus the time rank 0 spends
+in its model runner, per decode step; "empty" is a round trip with nothing scheduled.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def smollm_shaped_llama(path) -> str:
+    """A random Llama with SmolLM2-135M's sizes but 12 heads / 6 KV heads (divides by 2 and 3)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                          num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=2048,
+                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _build(model, dtype, tp, transport, threads, budget):
+    from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
+    from engine.core.engine_core import EngineCore
+    from engine.executor import InProcessExecutor
+    from engine.model_config import build_model_config
+
+    mc = build_model_config(model, dtype, torch.device("cpu"))
+    cc = CacheConfig(16, True, 256 << 20)
+    if transport == "in-process":
+        torch.set_num_threads(threads)
+        ex = InProcessExecutor(mc, cc)
+    else:
+        from workers.ray_executor import RayExecutor
+
+        ex = RayExecutor(mc, cc, ParallelConfig(tp), transport=transport, num_cpus_per_worker=threads)
+    return mc, EngineCore(SchedulerConfig(256, budget, mc.max_model_len), cc, ex)
+
+
+class _Timed:
+    """Wraps execute_model to time the driver side; in-process also times the model runner."""
+
+    def __init__(self, ex):
+        self.ex, self.exec_s, self.model_s = ex, 0.0, 0.0
+        runner = getattr(ex, "runner", None)
+        if runner is not None:
+            inner = runner.execute_model
+
+            def timed(so):
+                t = time.perf_counter()
+                try:
+                    return inner(so)
+                finally:
+                    self.model_s += time.perf_counter() - t
+            runner.execute_model = timed
+        orig = ex.execute_model
+
+        def outer(so):
+            t = time.perf_counter()
+            try:
+                return orig(so)
+            finally:
+                self.exec_s += time.perf_counter() - t
+        ex.execute_model = outer
+
+    def reset(self):
+        self.exec_s = self.model_s = 0.0
+        if hasattr(self.ex, "workers"):
+            import ray
+
+            ray.get(self.ex.workers[0].step_stats.remote(reset=True))
+
+    def rank0_model_s(self):
+        if hasattr(self.ex, "workers"):
+            import ray
+
+            return ray.get(self.ex.workers[0].step_stats.remote())[1]
+        return self.model_s
+
+
+def _requests(mc, batch, prompt_len, new_tokens, tag):
+    from engine.input_processor import InputProcessor
+    from engine.sampling_params import SamplingParams
+
+    ip = InputProcessor(None, mc, True)
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(batch):
+        ids = torch.randint(100, mc.vocab_size - 100, (prompt_len,), generator=g).tolist()
+        reqs += ip.make_requests(f"{tag}-{i}", ids, sp)
+    return reqs
+
+
+def bench_config(args, tp, transport, threads):
+    mc, core = _build(args.model, args.dtype, tp, transport, threads, max(args.batch * args.prompt_len, 64))
+    timer = _Timed(core.executor)
+    try:
+        # Per-step overhead: prefill once, warm up, then time decode steps of the same batch.
+        for r in _requests(mc, args.batch, args.prompt_len, args.steps + 8, "o"):
+            core.add_request(r)
+        core.step()
+        for _ in range(3):
+            core.step()
+        from engine.core.scheduler_output import SchedulerOutput
+
+        empty = SchedulerOutput()
+        t = time.perf_counter()
+        for _ in range(50):
+            core.executor.execute_model(empty)
+        empty_ms = (time.perf_counter() - t) / 50 * 1e3
+        timer.reset()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        step_ms = (time.perf_counter() - t) / args.steps * 1e3
+        exec_ms = timer.exec_s / args.steps * 1e3
+        model_ms = timer.rank0_model_s() / args.steps * 1e3
+        while core.has_unfinished_requests():
+            core.step()
+        # Throughput: a fresh batch from prompt to last token (prefill included).
+        for r in _requests(mc, args.batch, args.prompt_len, args.new_tokens, "t"):
+            core.add_request(r)
+        t, produced = time.perf_counter(), 0
+        while core.has_unfinished_requests():
+            produced += sum(len(o.new_token_ids) for o in core.step())
+        tok_s = produced / (time.perf_counter() - t)
+    finally:
+        core.shutdown()
+    return dict(tp=tp, transport=transport, threads=threads, step_ms=step_ms, exec_ms=exec_ms, model_ms=model_ms,
+                overhead_ms=exec_ms - model_ms, empty_ms=empty_ms, tok_s=tok_s)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None,
+                    help="local HF dir or .gguf, 'default' for the embedded SmolLM2 (default: SmolLM2-shaped random Llama)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tp", default="1,2,3", help="tensor-parallel degrees for the Ray executor")
+    ap.add_argument("--transports", default="compiled_graph,actor_calls")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (and in-process)")
+    args = ap.parse_args(argv)
+
+    import tempfile
+
+    import ray
+
+    tmp = None
+    if args.model is None:
+        tmp = tempfile.TemporaryDirectory(prefix="orbital-bench-")
+        args.model = smollm_shaped_llama(tmp.name)
+        label = "random Llama, SmolLM2-135M sizes, 12 heads / 6 KV heads"
+    else:
+        label = "SmolLM2-135M" if args.model == "default" else args.model
+        args.model = None if args.model == "default" else args.model
+    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    rows = [bench_config(args, 1, "in-process", args.threads)]
+    for tp in [int(x) for x in args.tp.split(",")]:
+        for transport in args.transports.split(","):
+            rows.append(bench_config(args, tp, transport, args.threads))
+    ray.shutdown()
+    if tmp is not None:
+        tmp.cleanup()
+
+    print(f"\nmodel={label} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "
+          f"decode steps={args.steps} new tokens={args.new_tokens} threads/rank={args.threads} cpus={os.cpu_count()}")
+    hdr = f"{'tp':>3} {'executor':<15} {'step ms':>8} {'exec ms':>8} {'model ms':>9} {'overhead ms':>12} {'empty ms':>9} {'tok/s':>7}"
+    print(hdr + "\n" + "-" * len(hdr))
+    for r in rows:
+        print(f"{r['tp']:>3} {r['transport']:<15} {r['step_ms']:8.2f} {r['exec_ms']:8.2f} {r['model_ms']:9.2f} "
+              f"{r['overhead_ms']:12.2f} {r['empty_ms']:9.3f} {r['tok_s']:7.1f}")
+    print("step = whole engine step; exec = driver time in execute_model; model = rank 0 in its model runner;\n"
+          "overhead = exec - model (transport, (de)serialisation, waiting on other ranks' skew); empty = round trip "
+          "with nothing scheduled.")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
