@@ -76,7 +76,7 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
                 flat.extend(blk + [0] * (maxb - len(blk)))
             seq = torch.tensor([states[i].num_computed_tokens + 1 for i in decode[a:b]], device=device)
             mask = torch.arange(maxb * bs, device=device)[None, :] < seq[:, None]
-            meta.decode_buckets.append(DecodeBucket(a, b, torch.tensor(flat, dtype=torch.long, device=device), maxb, mask[:, None, None, :]))
+            meta.decode_buckets.append(DecodeBucket(a, b, torch.tensor(flat, dtype=torch.long, device=device), maxb, mask[:, None, :]))
     for k, i in enumerate(prefill, start=len(decode)):
         st, n = states[i], counts[i]
         nc = st.num_computed_tokens

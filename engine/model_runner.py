@@ -51,7 +51,7 @@ class ModelRunner:
         return self.cc.num_blocks or max(2, self.cc.kv_cache_memory_bytes // self.bytes_per_block())
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, num_blocks, self.cc.block_size, self.num_kv_heads_local, self.mc.head_dim)
+        shape = (2, self.num_kv_heads_local, num_blocks, self.cc.block_size, self.mc.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.mc.dtype, device=self.device) for _ in range(self.mc.num_layers)]
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache

@@ -23,7 +23,7 @@ class AttentionBackend(abc.ABC):
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, Hkv, num_blocks, block_size, D]
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]

@@ -17,7 +17,7 @@ class DecodeBucket:
     end: int
     flat_block_ids: torch.Tensor  # [b * max_blocks] (padded with block 0)
     max_blocks: int
-    mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool, True = attend
+    mask: torch.Tensor  # [b, 1, max_blocks * block_size] bool, True = attend
 
 
 @dataclass

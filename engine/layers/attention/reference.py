@@ -1,7 +1,9 @@
 """Pure-PyTorch paged attention: slot writes, block-table gather + SDPA. CPU and GPU.
 
+Cache layout per layer: [2, Hkv, num_blocks, block_size, D]. Gathering whole blocks along
+dim 2 yields K as [Hkv, b, L, D] contiguous, which SDPA and matmul use without another copy.
 GQA without copying K/V: the G query heads that share one KV head are laid out as G query
-rows against that head, so SDPA sees [b, Hkv, G*q, D] against [b, Hkv, L, D].
+rows against that head.
 """
 from __future__ import annotations
 
@@ -13,16 +15,25 @@ from engine.layers.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    hkv, d = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    _, hkv, nb, bs, d = kv_cache.shape
+    kv_cache[0].view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
+    kv_cache[1].view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
 
 
 def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int) -> torch.Tensor:
-    """[num_blocks, bs, Hkv, D] -> [b, Hkv, L, D] (a strided view, no second copy)."""
-    nb, bs, hkv, d = cache.shape
-    out = cache.view(nb, -1).index_select(0, flat_block_ids)
-    return out.view(b, -1, hkv, d).transpose(1, 2)
+    """[Hkv, num_blocks, bs, D] -> [Hkv, b, L, D], contiguous."""
+    hkv, nb, bs, d = cache.shape
+    return cache.view(hkv, nb, bs * d).index_select(1, flat_block_ids).view(hkv, b, -1, d)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Hkv, b, G, D], k/v [Hkv, b, L, D], mask [b, 1, L] bool -> [Hkv, b, G, D].
+
+    Two small matmuls with a float32 softmax: for a handful of query rows per sequence this
+    beats the CPU flash kernel, which is built for long query blocks."""
+    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    s.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
 
 
 class ReferenceAttentionBackend(AttentionBackend):
@@ -36,11 +47,11 @@ class ReferenceAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         for bk in meta.decode_buckets:
             b = bk.end - bk.start
-            qb = q[bk.start : bk.end].view(b, hkv, g, d)
+            qb = q[bk.start : bk.end].view(b, hkv, g, d).transpose(0, 1)
             kb = gather_blocks(kv_cache[0], bk.flat_block_ids, b)
             vb = gather_blocks(kv_cache[1], bk.flat_block_ids, b)
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bk.mask, scale=scale)
-            out[bk.start : bk.end] = o.reshape(b, hq, d)
+            o = decode_attention(qb, kb, vb, bk.mask, scale)  # [Hkv, b, G, D]
+            out[bk.start : bk.end] = o.transpose(0, 1).reshape(b, hq, d)
         for pc in meta.prefills:
             n = pc.num_new
             rows = slice(pc.start, pc.start + n)
@@ -53,8 +64,8 @@ class ReferenceAttentionBackend(AttentionBackend):
             # [n, Hq, D] -> [Hkv, G*n, D]: head h = kv*G + g, query rows grouped per g.
             qp = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
             total = pc.num_context + n
-            kp = gather_blocks(kv_cache[0], pc.block_ids, 1)[0, :, :total].to(q.dtype)
-            vp = gather_blocks(kv_cache[1], pc.block_ids, 1)[0, :, :total].to(q.dtype)
+            kp = gather_blocks(kv_cache[0], pc.block_ids, 1)[:, 0, :total].to(q.dtype)
+            vp = gather_blocks(kv_cache[1], pc.block_ids, 1)[:, 0, :total].to(q.dtype)
             mask = pc.mask.repeat(g, 1)  # same causal pattern for each of the G heads
             o = F.scaled_dot_product_attention(qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale)
             out[rows] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)

@@ -1,0 +1,117 @@
+"""Static batching (transformers `generate`, batches of 8) vs this engine's continuous batching.
+
+Same model, same dtype, same mixed workload (prompts 20-600 tokens, outputs 10-500 tokens fixed
+per request), in one run. Prints useful output tokens/s of each, the ratio, the KV-cache
+waste and the share of this machine's matmul roof the engine reached.
+
+    python -m bench.bench_engine --requests 64 --dtypes float32 bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from bench.workload import mixed_workload
+
+
+def matmul_roof(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
+
+
+def run_hf_static(model, tokenizer, reqs, batch_size: int = 8) -> tuple[float, int]:
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    useful, t0 = 0, time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i : i + batch_size]
+        longest = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor([[pad] * (longest - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        mask = (torch.arange(longest)[None, :] >= torch.tensor([longest - len(r.prompt_token_ids) for r in batch])[:, None]).long()
+        new = max(r.output_len for r in batch)  # a static batch runs until its longest request ends
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+        useful += sum(r.output_len for r in batch)
+    return time.perf_counter() - t0, useful
+
+
+def run_engine(llm, reqs) -> tuple[float, int, float]:
+    from engine import SamplingParams
+
+    eng = llm.engine
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    for r, p in zip(reqs, params):
+        eng.add_request(None, {"prompt_token_ids": r.prompt_token_ids}, p)
+    slots = stored = 0
+    useful, t0 = 0, time.perf_counter()
+    sched = eng.core.scheduler
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                useful += len(out.outputs[0].token_ids)
+        kv = sched.kv_cache_manager
+        for req in sched.running:  # waste = allocated slots not holding a token, summed over steps
+            n = len(kv.req_to_blocks.get(req.request_id, ()))
+            slots += n * kv.block_size
+            stored += min(req.num_computed_tokens, n * kv.block_size)
+    return time.perf_counter() - t0, useful, (slots - stored) / max(slots, 1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="engine only (quick tuning runs)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM
+    from engine.model.loader import parameter_bytes
+
+    rows = []
+    for dt in args.dtypes:
+        llm = LLM(dtype=dt, kv_cache_memory_bytes=3 << 30, max_num_seqs=256, max_num_batched_tokens=2048, num_threads=args.threads)
+        reqs = mixed_workload(llm.tokenizer, args.requests, args.seed)
+        model = llm.engine.core.executor.runner.model
+        hc = model.config
+        n_params = parameter_bytes(model) // torch.tensor([], dtype=llm.engine.model_config.dtype).element_size()
+        head = hc.vocab_size * hc.hidden_size
+        body = n_params - head  # embedding lookup is free; the LM head runs once per sampled token
+        t_eng, useful_eng, waste = run_engine(llm, reqs)
+        flops = sum(2 * body * (len(r.prompt_token_ids) + r.output_len) + 2 * head * r.output_len for r in reqs)
+        roof = matmul_roof(getattr(torch, dt))
+        row = dict(dtype=dt, engine_tok_s=useful_eng / t_eng, kv_waste=waste, roof_share=flops / t_eng / roof,
+                   roof_gflops=roof / 1e9, engine_s=t_eng)
+        if not args.skip_hf:
+            hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_config.model_dir, dtype=getattr(torch, dt)).eval()
+            t_hf, useful_hf = run_hf_static(hf, llm.tokenizer, reqs)
+            row.update(hf_tok_s=useful_hf / t_hf, ratio=(useful_eng / t_eng) / (useful_hf / t_hf), hf_s=t_hf)
+            del hf
+        rows.append(row)
+        llm.shutdown()
+        print(row, flush=True)
+    print(f"\nmixed workload: {args.requests} requests, prompts 20-600, outputs 10-500 tokens, seed {args.seed}, "
+          f"{args.threads} threads")
+    print("| dtype | HF static (b=8) tok/s | engine tok/s | ratio | KV waste | matmul roof share |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        hf = f"{r['hf_tok_s']:.1f}" if "hf_tok_s" in r else "-"
+        ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
+        print(f"| {r['dtype']} | {hf} | {r['engine_tok_s']:.1f} | {ratio} | {r['kv_waste']:.2%} | "
+              f"{r['roof_share']:.0%} of {r['roof_gflops']:.0f} GFLOP/s |")
+
+
+if __name__ == "__main__":
+    main()
