@@ -78,7 +78,7 @@ def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_r
         assert len({i["pid"] for i in info}) == 2 and len({i["node_id"] for i in info}) == 1
         for i in info:
             assert abs(i["param_bytes"] - full / 2) / full < 0.02, (i["param_bytes"], full)
-            assert i["num_kv_heads"] == 2 and i["kv_cache_shape"] == (2, ex.num_blocks, 4, 2, 8)
+            assert i["num_kv_heads"] == 2 and i["kv_cache_shape"] == (2, 2, ex.num_blocks, 4, 8)
             assert i["num_threads"] == 1
         assert ex.kv_bytes_per_block() * 2 == tiny_tp1.engine.core.executor.kv_bytes_per_block()
     finally:
@@ -170,5 +170,5 @@ def test_smollm2_tp3_matches_tp1_and_transformers(ray_local, smollm_dir, smollm_
     assert [g[0] for g in got3] == [g[0] for g in got1]
     _assert_same(got3, expected)
     for i in info:
-        assert i["num_kv_heads"] == 1 and i["kv_cache_shape"][3] == 1
+        assert i["num_kv_heads"] == 1 and i["kv_cache_shape"][1] == 1
         assert abs(i["param_bytes"] - full / 3) / full < 0.02, (i["param_bytes"], full)
