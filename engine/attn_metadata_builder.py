@@ -68,6 +68,11 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
                              num_decode_tokens=len(decode))
     if decode:
         nblocks = [(states[i].num_computed_tokens + bs) // bs for i in decode]
+        maxb = nblocks[-1]
+        meta.decode_block_table = torch.tensor(
+            [states[i].block_ids[:maxb] + [0] * (maxb - min(maxb, len(states[i].block_ids))) for i in decode],
+            dtype=torch.int32, device=device)
+        meta.decode_seq_lens = torch.tensor([states[i].num_computed_tokens + 1 for i in decode], dtype=torch.int32, device=device)
         for a, b in _split_buckets(nblocks):
             maxb = nblocks[b - 1]
             flat = []

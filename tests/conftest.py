@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Several agents/replicas on 2 cores: keep each process explicit and small.
 torch.set_num_threads(int(os.environ.get("ORBITAL_TEST_THREADS", "2")))

@@ -8,6 +8,7 @@ reference backend.
 from __future__ import annotations
 
 import abc
+import os
 
 import torch
 
@@ -30,9 +31,29 @@ class AttentionBackend(abc.ABC):
         ...
 
 
-def get_backend(name: str = "auto") -> AttentionBackend:
+_INSTANCES: dict[str, AttentionBackend] = {}
+
+
+def get_backend(name: str | None = None) -> AttentionBackend:
+    """`auto`: the C++ paged kernel on CPU when it builds, else the PyTorch reference.
+    Set ORBITAL_ATTENTION_BACKEND=reference|cpu_paged to force one."""
+    name = name or os.environ.get("ORBITAL_ATTENTION_BACKEND", "auto")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _make(name)
+    return _INSTANCES[name]
+
+
+def _make(name: str) -> AttentionBackend:
     from engine.layers.attention.reference import ReferenceAttentionBackend
 
-    if name in ("auto", "reference", "torch"):
+    if name in ("reference", "torch"):
         return ReferenceAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: reference")
+    if name in ("auto", "cpu_paged"):
+        from engine.layers.attention.cpu_paged import CpuPagedAttentionBackend, kernel_available
+
+        if kernel_available():
+            return CpuPagedAttentionBackend()
+        if name == "cpu_paged":
+            raise RuntimeError("the cpu_paged attention backend could not be built (needs a C++ compiler and ninja)")
+        return ReferenceAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, reference, cpu_paged")

@@ -35,4 +35,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     num_decode_tokens: int
     decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    # Whole decode batch for kernels that read the paged cache directly (rows 0..num_decode_tokens).
+    decode_block_table: torch.Tensor | None = None  # [Bd, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None = None  # [Bd] int32, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)

@@ -41,10 +41,15 @@ class ReferenceAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        t, hq, d = q.shape
-        hkv = k.shape[1]
-        g = hq // hkv
         out = torch.empty_like(q)
+        self.decode(q, kv_cache, meta, scale, out)
+        self.prefill(q, k, v, kv_cache, meta, scale, out)
+        return out
+
+    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        t, hq, d = q.shape
+        hkv = kv_cache.shape[1]
+        g = hq // hkv
         for bk in meta.decode_buckets:
             b = bk.end - bk.start
             qb = q[bk.start : bk.end].view(b, hkv, g, d).transpose(0, 1)
@@ -52,6 +57,11 @@ class ReferenceAttentionBackend(AttentionBackend):
             vb = gather_blocks(kv_cache[1], bk.flat_block_ids, b)
             o = decode_attention(qb, kb, vb, bk.mask, scale)  # [Hkv, b, G, D]
             out[bk.start : bk.end] = o.transpose(0, 1).reshape(b, hq, d)
+
+    def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        t, hq, d = q.shape
+        hkv = kv_cache.shape[1]
+        g = hq // hkv
         for pc in meta.prefills:
             n = pc.num_new
             rows = slice(pc.start, pc.start + n)
@@ -69,4 +79,3 @@ class ReferenceAttentionBackend(AttentionBackend):
             mask = pc.mask.repeat(g, 1)  # same causal pattern for each of the G heads
             o = F.scaled_dot_product_attention(qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale)
             out[rows] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
-        return out

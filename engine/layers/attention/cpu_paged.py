@@ -1,0 +1,28 @@
+"""CPU backend: decode rows through the C++ paged kernel, prefill chunks as the reference."""
+from __future__ import annotations
+
+import torch
+
+from engine.layers.attention.cpu_kernel import load_paged_decode
+from engine.layers.attention.metadata import AttentionMetadata
+from engine.layers.attention.reference import ReferenceAttentionBackend
+
+
+def kernel_available() -> bool:
+    return load_paged_decode() is not None
+
+
+class CpuPagedAttentionBackend(ReferenceAttentionBackend):
+    name = "cpu_paged"
+
+    def __init__(self):
+        self.kernel = load_paged_decode()
+
+    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        nd = meta.num_decode_tokens
+        if nd == 0:
+            return
+        if q.device.type != "cpu":
+            return super().decode(q, kv_cache, meta, scale, out)
+        out[:nd] = self.kernel.paged_decode(q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1],
+                                            meta.decode_block_table, meta.decode_seq_lens, scale).to(out.dtype)

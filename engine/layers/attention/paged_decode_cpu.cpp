@@ -1,0 +1,99 @@
+// Paged decode attention for CPU: reads K/V straight from the block table (no gather copy),
+// one pass with an online softmax. Parallel over (sequence, KV head); the G query heads that
+// share a KV head are processed together so each K/V row is loaded once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename scalar_t>
+static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                        const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                        torch::Tensor& out) {
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t g = hq / hkv, maxb = block_tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(g * d), acc(g * d), m(g), l(g), sc(g * bs), kf(bs * d), vf(bs * d);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / hkv, h = w % hkv;
+      const int64_t len = sl[i];
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const scalar_t* src = qp + (i * hq + h * g + gi) * d;
+        for (int64_t x = 0; x < d; ++x) qf[gi * d + x] = to_f(src[x]) * fscale;
+        m[gi] = -std::numeric_limits<float>::infinity();
+        l[gi] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < len; t0 += bs) {  // one KV block at a time
+        const int64_t n = std::min<int64_t>(bs, len - t0);
+        const int64_t off = (h * nb + bt[i * maxb + t0 / bs]) * bs * d;
+        const scalar_t* kr = kp + off;
+        const scalar_t* vr = vp + off;
+        for (int64_t x = 0; x < n * d; ++x) kf[x] = to_f(kr[x]);
+        for (int64_t x = 0; x < n * d; ++x) vf[x] = to_f(vr[x]);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* qq = qf.data() + gi * d;
+          float* s = sc.data() + gi * bs;
+          float bmax = m[gi];
+          for (int64_t t = 0; t < n; ++t) {
+            const float* kk = kf.data() + t * d;
+            float dot = 0.f;
+            for (int64_t x = 0; x < d; ++x) dot += qq[x] * kk[x];
+            s[t] = dot;
+            bmax = std::max(bmax, dot);
+          }
+          const float c = std::exp(m[gi] - bmax);  // rescale what was accumulated (0 at start)
+          m[gi] = bmax;
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {
+            s[t] = std::exp(s[t] - bmax);
+            sum += s[t];
+          }
+          l[gi] = l[gi] * c + sum;
+          float* a = acc.data() + gi * d;
+          for (int64_t x = 0; x < d; ++x) a[x] *= c;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = s[t];
+            const float* vv = vf.data() + t * d;
+            for (int64_t x = 0; x < d; ++x) a[x] += p * vv[x];
+          }
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        scalar_t* dst = op + (i * hq + h * g + gi) * d;
+        const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+        for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<scalar_t>(acc[gi * d + x] * inv);
+      }
+    }
+  });
+}
+
+// q [b, Hq, D]; k_cache/v_cache [Hkv, num_blocks, block_size, D]; block_tables [b, max_blocks] int32;
+// seq_lens [b] int32 (tokens to attend, including the new one). Returns [b, Hq, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
+  q = q.contiguous();
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode_impl<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
