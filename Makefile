@@ -27,4 +27,4 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
-	$(PY) -m loadtest.bench_engine
+	$(PY) -m bench.bench_engine
