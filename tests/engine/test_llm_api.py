@@ -105,3 +105,16 @@ def test_stats_report_kv_and_waste(llm):
     for key in ("blocks_used", "blocks_free", "blocks_cached", "prefix_hit_rate", "kv_waste", "num_preemptions"):
         assert key in s
     assert s["blocks_used"] + s["blocks_free"] == s["num_blocks"]
+
+
+def test_n_siblings_share_prompt_blocks_with_prefix_caching_off():
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=2, enable_prefix_caching=False)
+    prompt = "A list of the planets of the solar system, in order from the sun, with one fact each: " * 3
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=0.9, max_tokens=6, seed=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert llm.stats()["prefix_cache_hits"] >= 2 * 3 * 16  # two later siblings reuse >= 3 full blocks
+    # ...but an unrelated later request with the same prompt does not hit (caching is off).
+    hits = llm.stats()["prefix_cache_hits"]
+    llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats()["prefix_cache_hits"] == hits
