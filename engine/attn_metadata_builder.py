@@ -49,7 +49,8 @@ def _split_buckets(blocks: list[int]) -> list[tuple[int, int]]:
     return runs[::-1]
 
 
-def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_size: int, device) -> StepBatch:
+def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_size: int, device,
+                     decode_buckets: bool = True) -> StepBatch:
     bs = block_size
     decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: states[i].num_computed_tokens)
     prefill = [i for i, n in enumerate(counts) if n > 1]
@@ -73,7 +74,7 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
             [states[i].block_ids[:maxb] + [0] * (maxb - min(maxb, len(states[i].block_ids))) for i in decode],
             dtype=torch.int32, device=device)
         meta.decode_seq_lens = torch.tensor([states[i].num_computed_tokens + 1 for i in decode], dtype=torch.int32, device=device)
-        for a, b in _split_buckets(nblocks):
+        for a, b in _split_buckets(nblocks) if decode_buckets else []:
             maxb = nblocks[b - 1]
             flat = []
             for i in decode[a:b]:

@@ -63,7 +63,8 @@ class ModelRunner:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
-        batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in rids], self.cc.block_size, self.device)
+        batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in rids], self.cc.block_size, self.device,
+                                 decode_buckets=self.model.attention_layers()[0].backend.uses_decode_buckets)
         with forward_context(batch.meta):
             hidden = self.model(batch.input_ids, batch.positions)
         by_id = {r: self.states[r] for r in batch.request_ids}

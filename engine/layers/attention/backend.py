@@ -17,6 +17,8 @@ from engine.layers.attention.metadata import AttentionMetadata
 
 class AttentionBackend(abc.ABC):
     name: str = "abstract"
+    # Whether the metadata must carry padded decode buckets (gather-based decode).
+    uses_decode_buckets: bool = True
 
     @abc.abstractmethod
     def forward(
@@ -38,6 +40,8 @@ def get_backend(name: str | None = None) -> AttentionBackend:
     """`auto`: the C++ paged kernel on CPU when it builds, else the PyTorch reference.
     Set ORBITAL_ATTENTION_BACKEND=reference|cpu_paged to force one."""
     name = name or os.environ.get("ORBITAL_ATTENTION_BACKEND", "auto")
+    if name == "auto" and torch.get_default_device().type != "cpu":
+        name = "reference"  # the C++ kernel is CPU-only; CUDA kernels join here when added
     if name not in _INSTANCES:
         _INSTANCES[name] = _make(name)
     return _INSTANCES[name]

@@ -14,6 +14,7 @@ def kernel_available() -> bool:
 
 class CpuPagedAttentionBackend(ReferenceAttentionBackend):
     name = "cpu_paged"
+    uses_decode_buckets = False
 
     def __init__(self):
         self.kernel = load_paged_decode()
