@@ -45,7 +45,9 @@ class RayExecutor(Executor):
         self._started_ray = ensure_ray(math.ceil(tp * num_cpus_per_worker))
         try:
             self.placement = place_group(tp, self.device.type, num_cpus_per_worker, placement_group, bundle_indices)
-            actor_cls = ray.remote(TPWorker)
+            # Health checks and introspection run in their own thread ("control"), so they answer
+            # while a step is running; steps stay in the default group: one at a time, in order.
+            actor_cls = ray.remote(concurrency_groups={"control": 1})(TPWorker)
             gpus = rank_resources(self.device.type, num_cpus_per_worker).get("GPU", 0)
             self.workers = [
                 actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=gpus, max_restarts=0,
@@ -78,7 +80,7 @@ class RayExecutor(Executor):
     def check_health(self) -> None:
         if self._dead:
             raise EngineDeadError(self._dead)
-        refs = [w.ping.remote() for w in self.workers]
+        refs = [_control(w.ping).remote() for w in self.workers]
         try:
             ray.get(refs, timeout=10)
         except Exception as e:
@@ -108,7 +110,7 @@ class RayExecutor(Executor):
         return self.transport.name if self.transport else "closed"
 
     def worker_info(self) -> list[dict]:
-        return ray.get([w.info.remote() for w in self.workers], timeout=30)
+        return ray.get([_control(w.info).remote() for w in self.workers], timeout=30)
 
     # ---- failure handling ----
     def _fail(self, cause: BaseException):
@@ -119,7 +121,7 @@ class RayExecutor(Executor):
 
     def _diagnose(self, cause: BaseException) -> str:
         """Name the rank(s) that died; fall back to the rank whose step raised."""
-        refs = [w.ping.remote() for w in self.workers]
+        refs = [_control(w.ping).remote() for w in self.workers]
         dead, stuck = [], []
         for r, ref in enumerate(refs):
             try:
@@ -146,6 +148,10 @@ class RayExecutor(Executor):
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
+
+
+def _control(method):
+    return method.options(concurrency_group="control")
 
 
 def _summary(cause: BaseException) -> str:

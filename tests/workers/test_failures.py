@@ -46,7 +46,7 @@ def _break_rank_during_generation(llm: LLM, rank: int, how: str):
     return err.value, elapsed
 
 
-@pytest.mark.parametrize("transport,rank", [("compiled_graph", 1), ("compiled_graph", 0), ("actor_calls", 1)])
+@pytest.mark.parametrize("transport,rank", [("compiled_graph", 1), ("actor_calls", 0), ("actor_calls", 1)])
 def test_killed_rank_is_a_clear_error_within_seconds(ray_two_cpus, tiny_llama_dir, monkeypatch, transport, rank):
     monkeypatch.setenv("ORBITAL_TP_TRANSPORT", transport)
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ARGS)

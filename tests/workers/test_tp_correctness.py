@@ -71,6 +71,7 @@ def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_r
         assert stats["blocks_used"] == 0
         assert stats["prefix_cache_hits"] > 0
         llm.engine.core.scheduler.check_integrity()
+        ex.check_health()
 
         # Shards: parameters ~1/tp per rank, KV cache holds kv_heads/tp heads per rank.
         info = ex.worker_info()
