@@ -73,6 +73,13 @@ def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_r
         llm.engine.core.scheduler.check_integrity()
         ex.check_health()
 
+        # Prompt logprobs over a chunked prompt, and seeded sampling, agree with tp=1.
+        sp = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=8, prompt_logprobs=0)
+        a, b = (x.generate({"prompt_token_ids": PROMPTS[4]}, sp, use_tqdm=False)[0] for x in (tiny_tp1, llm))
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pa, pb = ([lp.logprob for lp in o.prompt_logprobs[1:]] for o in (a, b))
+        assert len(pb) == len(PROMPTS[4]) - 1 and max(abs(x - y) for x, y in zip(pa, pb)) < 1e-4
+
         # Shards: parameters ~1/tp per rank, KV cache holds kv_heads/tp heads per rank.
         info = ex.worker_info()
         full = parameter_bytes(tiny_tp1.engine.core.executor.runner.model)
@@ -95,6 +102,20 @@ def test_mqa_kv_head_replicated_over_ranks(ray_local, tiny_mqa_dir):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], params, use_tqdm=False)
         _assert_same([(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs], expected)
         assert [i["num_kv_heads"] for i in llm.engine.core.executor.worker_info()] == [1, 1]
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_at_tp2(ray_local, tiny_llama_dir, tiny_reference):
+    """A pool too small for the batch: requests are preempted and recomputed on every rank."""
+    args = {**TINY_ARGS, "num_blocks": 24}
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **args)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=NEW, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        got = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+        _assert_same(got, tiny_reference)
+        assert llm.stats()["num_preemptions"] > 0
     finally:
         llm.shutdown()
 
