@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ray.serve.config import RequestRouterConfig
 
+from router.autoscaling_config import autoscaled
 from router.config import AppConfig
 from router.engine_replica import EngineReplica
 from router.ingress import Router
@@ -59,7 +60,8 @@ def build_app(cfg: AppConfig | dict | None = None):
         cfg = AppConfig()
     elif isinstance(cfg, dict):
         cfg = AppConfig(**cfg)
-    engine = EngineReplica.options(**engine_deployment_options(cfg)).bind(
+    cfg, engine_options = autoscaled(cfg, engine_deployment_options(cfg))  # no-op without cfg.autoscaling
+    engine = EngineReplica.options(**engine_options).bind(
         cfg.engine_args(), cfg.max_queued_requests_per_replica)
     router = Router.options(
         num_replicas=cfg.router_replicas,

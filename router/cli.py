@@ -2,6 +2,7 @@
 
     orbital serve                      # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     orbital serve --model ./my-llama --tp 2 --replicas 2 --port 8080 --api-key secret
+    orbital serve --autoscaling deploy/autoscaling.yaml   # 1..max replicas, by load
 
 (`python -m router.cli serve ...` does the same without the console script.)
 """
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests-per-replica", type=int, default=64)
     s.add_argument("--request-timeout-s", type=float, default=600.0)
     s.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    s.add_argument("--autoscaling", default=None, metavar="YAML",
+                   help="autoscaling policy file (deploy/autoscaling.yaml); replaces --replicas")
     return p
 
 
@@ -47,6 +50,10 @@ def config_from_args(a: argparse.Namespace):
 
     cores = a.num_cpus or os.cpu_count() or 1
     workers = a.replicas * a.tp
+    if getattr(a, "autoscaling", None):  # size CPUs for the most replicas the policy may start
+        from router.autoscaling_config import load_autoscaling
+
+        workers = load_autoscaling(a.autoscaling).pools["engine"].max_replicas * a.tp
     cpus = max(1.0, cores // workers) if cores >= workers else cores / workers
     return AppConfig(
         model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, device=a.device,
@@ -55,7 +62,8 @@ def config_from_args(a: argparse.Namespace):
         enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads or max(1, int(cpus)),
         cpus_per_worker=cpus, max_queued_requests=a.max_queued_requests,
         max_queued_requests_per_replica=a.max_queued_requests_per_replica, request_timeout_s=a.request_timeout_s,
-        max_request_body_bytes=a.max_request_body_bytes, api_key=a.api_key)
+        max_request_body_bytes=a.max_request_body_bytes, api_key=a.api_key,
+        autoscaling=getattr(a, "autoscaling", None))
 
 
 def serve_forever(a: argparse.Namespace) -> int:

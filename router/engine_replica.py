@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError
 from engine.llm_engine import EngineArgs
 from engine.sampling_params import SamplingParams
+from router.autoscaling_stats import AutoscalingStats
 from router.backpressure import ReplicaQueue
 from router.metrics import COUNTERS, new_histograms
 
@@ -161,6 +162,12 @@ class EngineReplica:
         return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
                 "kv_usage": sched.kv_cache_manager.usage(), "queued": len(self.queue.queued),
                 "in_flight": self.queue.in_flight}
+
+    def record_autoscaling_stats(self) -> dict:
+        """Load figures for the autoscaling policy (Serve polls this when autoscaling is on)."""
+        if not hasattr(self, "_autoscaling_stats"):
+            self._autoscaling_stats = AutoscalingStats(self)
+        return self._autoscaling_stats.snapshot()
 
     def __del__(self):
         try:
