@@ -171,7 +171,7 @@ def main(argv=None):
     else:
         label = "SmolLM2-135M" if args.model == "default" else args.model
         args.model = None if args.model == "default" else args.model
-    ray.init(num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     rows = [bench_config(args, 1, "in-process", args.threads)]
     for tp in [int(x) for x in args.tp.split(",")]:
         for transport in args.transports.split(","):

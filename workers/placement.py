@@ -18,15 +18,34 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.errors import EngineDeadError
 
 
+_OWN_RAY_USERS = 0  # executors using a Ray instance this process started itself
+
+
 def ensure_ray(min_cpus: int) -> bool:
-    """Connect to Ray, starting a local instance when none is running. True if we started it."""
+    """Use the Ray this process is connected to; else RAY_ADDRESS; else start a private local
+    instance. True when the caller uses a Ray this process started; pair it with `release_ray()`."""
+    global _OWN_RAY_USERS
     if ray.is_initialized():
+        if _OWN_RAY_USERS:
+            _OWN_RAY_USERS += 1
+            return True
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         return False
-    ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=False)
+    # "local": a private instance, never a cluster someone else started with `ray start` here.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
+             log_to_driver=False)
+    _OWN_RAY_USERS = 1
     return True
+
+
+def release_ray() -> None:
+    """The last executor on a Ray this process started shuts it down."""
+    global _OWN_RAY_USERS
+    _OWN_RAY_USERS = max(0, _OWN_RAY_USERS - 1)
+    if _OWN_RAY_USERS == 0 and ray.is_initialized():
+        ray.shutdown()
 
 
 def rank_resources(device_type: str, num_cpus: float) -> dict:

@@ -20,7 +20,7 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.errors import EngineDeadError
 from engine.executor import Executor
 from engine.model_config import ModelConfig
-from workers.placement import ensure_ray, place_group, rank_resources
+from workers.placement import ensure_ray, place_group, rank_resources, release_ray
 from workers.sharding import check_tp_compatible
 from workers.transport import default_transport, make_transport
 from workers.worker import StepInput, TPWorker, sampled_delta
@@ -100,9 +100,9 @@ class RayExecutor(Executor):
         if self.placement is not None:
             self.placement.release()
             self.placement = None
-        if self._started_ray and ray.is_initialized():
-            ray.shutdown()
+        if self._started_ray:
             self._started_ray = False
+            release_ray()
 
     # ---- introspection (tests, benchmarks) ----
     @property

@@ -19,7 +19,7 @@ def ray_two_cpus():
     """Room for exactly one tp=2 group: rebuilding only works if the dead group let go."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
