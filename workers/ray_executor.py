@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 
 
 class RayExecutor(Executor):
+    """`placement_group`/`bundle_indices`: run the ranks in the caller's placement group (a Serve
+    replica's); by default the current placement group is used when there is one, else a new
+    STRICT_PACK group is made. `transport`: "actor_calls" or "compiled_graph" (default: see
+    `workers.transport.default_transport`). The KV budget (`kv_cache_memory_bytes`) is per rank."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
                  device: str | torch.device = "cpu", *, placement_group=None, bundle_indices: list[int] | None = None,
                  transport: str | None = None, num_cpus_per_worker: float = 1.0,
