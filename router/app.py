@@ -27,12 +27,16 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 def engine_deployment_options(cfg: AppConfig) -> dict:
     """Serve options of the engine deployment: one placement group (STRICT_PACK) per replica,
-    bundle i for TP rank i; rank 0 runs inside the replica actor (bundle 0)."""
-    bundle = {"CPU": cfg.cpus_per_worker}
+    bundle i for TP rank i. At tp=1 the engine runs inside the replica actor (bundle 0 is its
+    own); at tp>1 every rank is a TPWorker actor in its bundle (workers/ray_executor.py), so
+    the replica actor, which only drives them, reserves nothing of bundle 0."""
+    in_process = cfg.tensor_parallel_size == 1
+    # Each TPWorker actor asks for one CPU (engine.executor.make_executor -> RayExecutor defaults).
+    bundle = {"CPU": cfg.cpus_per_worker if in_process else max(1.0, cfg.cpus_per_worker)}
     if cfg.worker_gpus:
         bundle["GPU"] = cfg.worker_gpus
-    actor = {"num_cpus": cfg.cpus_per_worker}
-    if cfg.worker_gpus:
+    actor = {"num_cpus": cfg.cpus_per_worker if in_process else 0}
+    if cfg.worker_gpus and in_process:
         actor["num_gpus"] = cfg.worker_gpus
     # Room for every accepted request plus control calls (finish, stats, health): the engine's
     # own queue bound answers 429 long before Serve would start queueing in the caller.
@@ -52,6 +56,13 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
             request_routing_stats_timeout_s=5.0,
         ),
     )
+
+
+def required_cpus(cfg: AppConfig) -> float:
+    """Logical CPUs the app reserves (engine placement groups at num_replicas, and the router)."""
+    o = engine_deployment_options(cfg)
+    per_replica = sum(b.get("CPU", 0) for b in o["placement_group_bundles"])
+    return cfg.num_replicas * per_replica + cfg.router_replicas * cfg.router_cpus
 
 
 def build_app(cfg: AppConfig | dict | None = None):

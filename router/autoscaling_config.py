@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 POLICY_PATH = "router.autoscaling_policy:OrbitalPolicy"
-PUSH_INTERVAL_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class PoolPolicy(BaseModel):
     upscale_delay_s: float = Field(30.0, ge=0, description="A wish for more replicas must hold this long.")
     downscale_delay_s: float = Field(300.0, ge=0, description="A wish for fewer replicas must hold this long.")
     look_back_period_s: float = Field(30.0, gt=0, description="Window the replicas' stats are averaged over.")
-    metrics_interval_s: float = Field(2.0, gt=0, le=60, description="How often each replica pushes its stats to "
-                                      "the Serve controller (Serve's default is 10 s).")
+    metrics_interval_s: float = Field(2.0, gt=0, le=60, description="How often replicas and callers push their "
+                                      "stats to the Serve controller (Serve's default is 10 s).")
     drain_timeout_s: float = Field(600.0, gt=0, description="A replica being removed stops taking requests and "
                                    "finishes its running ones for at most this long (Serve's graceful shutdown).")
     placement: Placement = Field(default_factory=Placement, description="Where the pool's replicas go.")
@@ -85,6 +85,9 @@ class PoolPolicy(BaseModel):
     def _bounds(self) -> "PoolPolicy":
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must be > metrics_interval_s "
+                             f"({self.metrics_interval_s}): the window must hold several stats points")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
             raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie in "
                              f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
@@ -154,16 +157,21 @@ def serve_autoscaling_config(pool: PoolPolicy):
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
     t = pool.targets
-    return AutoscalingConfig(
-        min_replicas=pool.min_replicas, max_replicas=pool.max_replicas, initial_replicas=pool.initial_replicas,
-        target_ongoing_requests=t.ongoing_requests_per_replica,
-        upscale_delay_s=pool.upscale_delay_s, downscale_delay_s=pool.downscale_delay_s,
-        look_back_period_s=pool.look_back_period_s,
-        policy=AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs={
-            "target_ongoing_requests": t.ongoing_requests_per_replica,
-            "target_kv_cache_usage": t.kv_cache_usage, "target_queue_wait_s": t.queue_wait_s,
-            "ttft_slo_s": t.ttft_slo_s, "max_step": t.max_step}),
-    )
+    with warnings.catch_warnings():
+        # In Ray 2.60 `metrics_interval_s` is still what sets how often replicas and callers push
+        # their stats (the RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S variables it names as
+        # successors are not read yet); it warns that it is deprecated.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return AutoscalingConfig(
+            min_replicas=pool.min_replicas, max_replicas=pool.max_replicas, initial_replicas=pool.initial_replicas,
+            target_ongoing_requests=t.ongoing_requests_per_replica,
+            upscale_delay_s=pool.upscale_delay_s, downscale_delay_s=pool.downscale_delay_s,
+            metrics_interval_s=pool.metrics_interval_s, look_back_period_s=pool.look_back_period_s,
+            policy=AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs={
+                "target_ongoing_requests": t.ongoing_requests_per_replica,
+                "target_kv_cache_usage": t.kv_cache_usage, "target_queue_wait_s": t.queue_wait_s,
+                "ttft_slo_s": t.ttft_slo_s, "max_step": t.max_step}),
+        )
 
 
 def spread_share(max_replicas_per_node: int) -> float:
@@ -186,11 +194,6 @@ def pool_deployment_options(pool: PoolPolicy, options: dict) -> dict:
     opts["autoscaling_config"] = serve_autoscaling_config(pool)
     opts["graceful_shutdown_timeout_s"] = pool.drain_timeout_s
     opts["graceful_shutdown_wait_loop_s"] = 0.5
-    actor = dict(opts.get("ray_actor_options") or {})
-    env = dict((actor.get("runtime_env") or {}).get("env_vars") or {})
-    env.setdefault(PUSH_INTERVAL_ENV, str(pool.metrics_interval_s))
-    actor["runtime_env"] = {**(actor.get("runtime_env") or {}), "env_vars": env}
-    opts["ray_actor_options"] = actor
     pl = pool.placement
     if pl.max_replicas_per_node is not None and _resource_missing(pl.spread_resource):
         log.warning("placement.max_replicas_per_node=%d ignored: no node advertises the %r resource (give "

@@ -62,6 +62,7 @@ def test_bad_field_is_named(changes, field):
 
 @pytest.mark.parametrize("changes,words", [
     ({"min_replicas": 3, "max_replicas": 2}, ["max_replicas (2)", "min_replicas (3)"]),
+    ({"look_back_period_s": 2, "metrics_interval_s": 2}, ["look_back_period_s (2.0)", "metrics_interval_s (2.0)"]),
     ({"initial_replicas": 9}, ["initial_replicas (9)"]),
 ])
 def test_cross_field_errors_name_the_fields(changes, words):
@@ -112,8 +113,8 @@ def test_deployment_options_and_app_config():
     assert opts["placement_group_strategy"] == "STRICT_PACK" and len(opts["placement_group_bundles"]) == 2
     assert opts["placement_group_bundles"][0]["orbital_node"] == 1.0
     assert "orbital_node" not in opts["placement_group_bundles"][1]
-    env = opts["ray_actor_options"]["runtime_env"]["env_vars"]
-    assert env["RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"] == "2.0"
+    assert opts["autoscaling_config"].metrics_interval_s == 2.0
+    assert opts["ray_actor_options"] == {"num_cpus": 0}  # tp=2: the ranks hold the bundles
     assert cfg2.num_replicas == 1 and isinstance(cfg2.autoscaling, dict)  # inline for the router replicas
     AppConfig(**cfg2.model_dump())  # round-trips
     plain = AppConfig()

@@ -1,0 +1,179 @@
+"""Autoscaling end to end on local Ray with short delays: a burst raises the engine replica count,
+idleness brings it back to min_replicas, and streams running on the replica that is removed all
+finish with their full output (Serve's graceful shutdown drains it).
+
+The policy here scales on a signal only the replicas' own stats carry (`queue_wait_s`, from
+`record_autoscaling_stats`): `ongoing_requests_per_replica` is set out of reach, so a scale-up
+proves the chain replica stats -> controller -> OrbitalPolicy -> Serve.
+
+Measured figures are printed and written as JSON to $ORBITAL_SCALING_REPORT when set
+(cluster/README.md quotes them).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.cluster.helpers import (complete, completion_body, free_port, replica_states, stream_completion,
+                                   wait_healthy)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+APP = "autoscale"
+UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 2.0, 6.0
+POLICY = {"pools": {"engine": {
+    "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
+    "targets": {"ongoing_requests_per_replica": 1000, "queue_wait_s": 1.0},
+    "upscale_delay_s": UPSCALE_DELAY_S, "downscale_delay_s": DOWNSCALE_DELAY_S, "look_back_period_s": 3.0,
+    "metrics_interval_s": 0.5, "drain_timeout_s": 120.0}}}
+# Bounds on top of the configured delays, for this 2-core machine shared with other work:
+# metrics (0.5 s pushes, a 3 s look-back mean) + the new replica's start (process, model load).
+UPSCALE_BOUND_S = 60.0
+# Downscale: the look-back window (3 s) + the metrics lag + the removed replica's drain
+# (its streams run to the end: up to LONG_TOKENS tokens on a shared core).
+DOWNSCALE_BOUND_S = 90.0
+BURST, BURST_TOKENS = 12, 32  # clients sending back to back until the scale-up
+LONG, LONG_TOKENS = 4, 160
+MAX_NUM_SEQS = 8  # per replica: 12 clients keep 4 requests waiting on one replica; after the
+                  # burst no replica is full, so short requests never queue (no re-upscale)
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+@pytest.fixture(scope="module")
+def autoscaling_app():
+    import ray
+    from ray import serve
+
+    from router.app import build_app
+    from router.config import AppConfig
+
+    if ray.is_initialized():
+        ray.shutdown()
+    port = free_port()
+    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cfg = AppConfig(dtype="float32", kv_cache_memory_bytes=48 << 20, num_threads=1, cpus_per_worker=1.0,
+                        max_num_seqs=MAX_NUM_SEQS, autoscaling=POLICY)
+        handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        yield {"url": url, "handle": handle, "cfg": cfg}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+async def _wait_states(pred, timeout: float, every: float = 0.2) -> tuple[float, dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = await asyncio.to_thread(replica_states, APP)
+        if pred(states):
+            return time.monotonic(), states
+        if time.monotonic() > deadline:
+            raise AssertionError(f"replica states never matched within {timeout:.0f}s: {states}")
+        await asyncio.sleep(every)
+
+
+async def _load_client(client: httpx.AsyncClient, url: str, i: int, stop: asyncio.Event, results: list) -> None:
+    k = 0
+    while not stop.is_set():
+        results.append(await stream_completion(client, url, f"{PROMPT} ({i}.{k})", BURST_TOKENS))
+        k += 1
+
+
+async def _short_requests(client: httpx.AsyncClient, url: str, stop: asyncio.Event, results: list) -> None:
+    """New work arriving while a replica is being removed: every request must succeed."""
+    while not stop.is_set():
+        r = await client.post(f"{url}/v1/completions", json=completion_body("Hi", 4, False))
+        results.append((r.status_code, r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else r.text))
+        await asyncio.sleep(0.3)
+
+
+async def _scenario(url: str, router) -> dict:
+    m: dict = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(240.0)) as client:
+        assert replica_states(APP) == {"RUNNING": 1}
+        # --- burst (BURST clients, back to back) until the pool has grown -----------------------
+        t0 = time.monotonic()
+        load_stop, burst_results = asyncio.Event(), []
+        burst = [asyncio.create_task(_load_client(client, url, i, load_stop, burst_results))
+                 for i in range(BURST)]
+        t_up, states = await _wait_states(lambda s: s.get("RUNNING", 0) >= 2,
+                                          UPSCALE_DELAY_S + UPSCALE_BOUND_S)
+        m["scale_up_s"] = t_up - t0
+        load_stop.set()  # each client finishes the request it has open
+        # --- long streams, started while both replicas run: the newer replica (the one Serve
+        # removes first) is the less loaded, so they go there -------------------------------------
+        long = [asyncio.create_task(stream_completion(client, url, PROMPT, LONG_TOKENS)) for _ in range(LONG)]
+        stop, shorts = asyncio.Event(), []
+        short_task = asyncio.create_task(_short_requests(client, url, stop, shorts))
+        await asyncio.gather(*burst)
+        # The queue-wait signal falls when the last waiting burst request is scheduled (its first
+        # token); the burst's load is gone when its last request ends.
+        t_queue_empty = max(r["t_first"] or r["t_end"] for r in burst_results)
+        t_drop = max(r["t_end"] for r in burst_results)
+        # --- scale down: a replica is told to stop while streams run on it ----------------------
+        t_stop, states = await _wait_states(lambda s: s.get("RUNNING", 0) <= 1,
+                                            DOWNSCALE_DELAY_S + DOWNSCALE_BOUND_S)
+        m["in_flight_at_stop"] = sum(1 for t in long + burst if not t.done())
+        m["long_in_flight_at_stop"] = sum(1 for t in long if not t.done())
+        at_stop = await router.routed_counts.remote()
+        t_down, _ = await _wait_states(lambda s: s == {"RUNNING": 1}, DOWNSCALE_BOUND_S)
+        await asyncio.sleep(3.0)  # and it stays there (no flapping back up)
+        m["states_after_down"] = await asyncio.to_thread(replica_states, APP)
+        long_results = await asyncio.gather(*long)
+        stop.set()
+        await short_task
+        # the survivor takes the next request: the other replica id is the removed one
+        after_one = await router.routed_counts.remote()
+        r = await client.post(f"{url}/v1/completions", json=completion_body(PROMPT, LONG_TOKENS, False))
+        assert r.status_code == 200, r.text
+        reference = r.json()["choices"][0]["text"]
+        final = await router.routed_counts.remote()
+        survivor = [k for k in final if final[k] > after_one.get(k, 0)]
+        assert len(survivor) == 1, (after_one, final)
+        removed = [k for k in final if k != survivor[0]]
+        assert len(removed) == 1, final
+        m["removed_replica_in_flight_at_stop"] = after_one[removed[0]] - at_stop.get(removed[0], 0)
+    m.update(scale_down_decision_after_queue_empty_s=t_stop - t_queue_empty,
+             scale_down_decision_after_burst_end_s=t_stop - t_drop, drain_s=t_down - t_stop,
+             scale_down_s=t_down - t_queue_empty)
+    m["burst_requests"] = len(burst_results)
+    m["burst_complete"] = sum(complete(x, BURST_TOKENS) for x in burst_results)
+    m["long_complete"] = sum(complete(x, LONG_TOKENS) for x in long_results)
+    m["long_equal_reference"] = sum(x["text"] == reference for x in long_results)
+    m["short_ok"] = sum(1 for code, fin in shorts if code == 200 and fin == "length")
+    m["short_total"] = len(shorts)
+    m["errors"] = [x["error"] for x in burst_results + long_results if x["error"]] + \
+        [fin for code, fin in shorts if code != 200]
+    return m
+
+
+def test_burst_scales_up_idle_scales_down_without_loss(autoscaling_app):
+    m = asyncio.run(_scenario(autoscaling_app["url"], autoscaling_app["handle"]))
+    m.update(upscale_delay_s=UPSCALE_DELAY_S, downscale_delay_s=DOWNSCALE_DELAY_S)
+    print("\nautoscaling measurements:", json.dumps(m, indent=1))
+    if os.environ.get("ORBITAL_SCALING_REPORT"):
+        with open(os.environ["ORBITAL_SCALING_REPORT"], "w") as f:
+            json.dump(m, f, indent=1)
+    assert not m["errors"], m["errors"]
+    assert m["scale_up_s"] <= UPSCALE_DELAY_S + UPSCALE_BOUND_S
+    assert m["scale_down_s"] <= DOWNSCALE_DELAY_S + DOWNSCALE_BOUND_S
+    # Serve's downscale delay holds: the decision comes no sooner than downscale_delay_s after the
+    # signal fell (1 s slack: the first chunk reaches the client a step after scheduling)
+    assert m["scale_down_decision_after_queue_empty_s"] >= DOWNSCALE_DELAY_S - 1.0
+    # the removed replica had streams running when it was told to stop, and none was cut
+    assert m["removed_replica_in_flight_at_stop"] >= 1, m
+    assert m["long_in_flight_at_stop"] >= 1, m
+    assert m["burst_complete"] == m["burst_requests"] >= BURST and m["long_complete"] == LONG
+    assert m["long_equal_reference"] == LONG  # full, correct text (greedy, float32)
+    assert m["short_total"] >= 1 and m["short_ok"] == m["short_total"]
+    assert m["states_after_down"] == {"RUNNING": 1} and replica_states(APP) == {"RUNNING": 1}  # min_replicas
