@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    s.add_argument("--address", default="local",
+                   help="Ray cluster: 'local' starts one (default), 'auto' or host:port joins a running one")
     s.add_argument("--max-queued-requests", type=int, default=256, help="per router replica; past it 429")
     s.add_argument("--max-queued-requests-per-replica", type=int, default=64)
     s.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -73,7 +76,13 @@ def serve_forever(a: argparse.Namespace) -> int:
     from router.app import build_app
 
     cfg = config_from_args(a)
-    ray.init(num_cpus=a.num_cpus or os.cpu_count(), include_dashboard=False, configure_logging=False)
+    if a.address == "local":  # a fresh local cluster, even if `ray start` left one running here
+        from router.app import required_cpus
+
+        num_cpus = max(a.num_cpus or os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
+    else:
+        ray.init(address=a.address, configure_logging=False)
     try:
         serve.start(http_options={"host": a.host, "port": a.port})
         serve.run(build_app(cfg), name="orbital", route_prefix="/")

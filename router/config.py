@@ -37,6 +37,9 @@ class AppConfig(BaseModel):
     max_queued_requests_per_replica: int = Field(64, ge=1, description="Queued requests per engine replica; past it: 429.")
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Request body limit; past it: 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request deadline; past it: 504 (or an error event).")
+    nonstream_batch_interval_s: float = Field(0.5, ge=0, description="Non-streamed requests: a replica sends "
+                                              "outputs at most this often (fewer messages; a stop string is "
+                                              "seen up to this late). 0 = every engine step.")
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
     api_key: str | None = Field(None, description="Bearer key for /v1 and TGI routes (default: $ORBITAL_API_KEY).")
 

@@ -12,9 +12,13 @@ Every method takes an optional `replica_id`: the router pins calls to one replic
 """
 from __future__ import annotations
 
-import asyncio
 import logging
+import os
 import time
+
+# As engine/__init__ does: idle OpenMP threads sleep instead of spinning (several replicas on
+# few cores). Must precede the first torch import in this worker process.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ray import serve
 
@@ -80,7 +84,9 @@ class EngineReplica:
 
     async def generate_tokens(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                               arrival_wall: float | None = None, priority: int = 0,
-                              replica_id: str | None = None):
+                              batch_interval_s: float = 0.0, replica_id: str | None = None):
+        """`batch_interval_s` > 0 (non-streamed requests): after the first output, send outputs
+        at most that often, several steps per message: fewer messages, same results."""
         self.queue.admit(request_id)  # raises OverloadedError -> 429 at the router
         times = _RequestTimes(arrival_wall or time.time())
         n = params.n
@@ -89,10 +95,18 @@ class EngineReplica:
         self._active.update(children)
         stream = self.engine.generate_tokens(request_id, prompt_token_ids, params, priority,
                                              arrival_time=times.arrival_mono)
+        pending: list = []
+        last_sent = 0.0
         try:
             async for out in stream:
                 self._observe(times, out)
-                yield self.replica_id, [out]
+                pending.append(out)
+                now = time.monotonic()
+                if batch_interval_s <= 0 or not last_sent or now - last_sent >= batch_interval_s:
+                    yield self.replica_id, pending
+                    pending, last_sent = [], now
+            if pending:
+                yield self.replica_id, pending
         finally:
             # Serve does not close a cancelled generator at once: abort here, not at GC time.
             self.queue.done(request_id)

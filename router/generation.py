@@ -32,8 +32,9 @@ class EngineClient:
     """Runs requests on the engine deployment through a DeploymentHandle."""
 
     def __init__(self, handle, tokenizer, inputs: InputProcessor, queue: RouterQueue,
-                 control_timeout_s: float = 10.0):
+                 control_timeout_s: float = 10.0, nonstream_batch_interval_s: float = 0.0):
         self.handle = handle
+        self.nonstream_batch_interval_s = nonstream_batch_interval_s
         self.queue = queue
         self.stream_handle = handle.options(stream=True)
         self.tokenizer = tokenizer
@@ -49,7 +50,9 @@ class EngineClient:
 
     async def generate(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
                        params: SamplingParams, arrival_wall: float | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, stream: bool = True) -> AsyncIterator[RequestOutput]:
+        """RequestOutputs of one request. `stream=False`: the caller only wants the end, so the
+        replica may send several steps per message (`nonstream_batch_interval_s`)."""
         self.queue.admit(request_id)  # OverloadedError (429) before any work
         gen = replica = None
         added = text_done = engine_done = False
@@ -60,7 +63,8 @@ class EngineClient:
             self.outputs.add_request(request_id, prompt_text, prompt_ids, params, children)
             added = True
             gen = self.stream_handle.generate_tokens.remote(
-                request_id, prompt_ids, params, arrival_wall=arrival_wall or time.time(), priority=priority)
+                request_id, prompt_ids, params, arrival_wall=arrival_wall or time.time(), priority=priority,
+                batch_interval_s=0.0 if stream else self.nonstream_batch_interval_s)
             async for replica, core_outputs in gen:
                 self.queue.started(request_id)
                 request_outputs, stop_ids = self.outputs.process_outputs(core_outputs)

@@ -54,7 +54,7 @@ class Router:
         tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
         inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
         self.client = EngineClient(engine, tokenizer, inputs, RouterQueue(cfg.max_queued_requests),
-                                   cfg.control_timeout_s)
+                                   cfg.control_timeout_s, cfg.nonstream_batch_interval_s)
         self.openai = OpenAIServing(self.client, cfg.model_name, mc.max_model_len)
         self.tgi = TGIServing(self.client, cfg.model_name, {
             "model_id": cfg.model_name, "model_dtype": str(mc.dtype).removeprefix("torch."),

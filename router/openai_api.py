@@ -72,7 +72,7 @@ class OpenAIServing:
         params = _sampling(req, req.max_tokens, req.logprobs, prompt_lp)
         prompts = self._prompts(req.prompt)
         rid, arrival = new_request_id("cmpl"), time.time()
-        streams = [self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority)
+        streams = [self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
                    for i, (text, ids) in enumerate(prompts)]
         if req.stream:
             return self._stream_completions(req, rid, prompts, streams, params.n)
@@ -166,7 +166,7 @@ class OpenAIServing:
         text, ids = self.client.inputs.tokenize_chat(
             messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs)
         rid, arrival = new_request_id("chatcmpl"), time.time()
-        stream = self.client.generate(rid, text, ids, params, arrival, req.priority)
+        stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
             return self._stream_chat(req, rid, len(ids), stream)
         (out,) = await collect([stream])

@@ -59,7 +59,7 @@ class TGIServing:
         p = req.parameters
         params = sampling_params(p, want_logprobs=stream or p.details)
         text, ids = self.client.inputs.tokenize(req.inputs)
-        out_stream = self.client.generate(new_request_id("tgi"), text, ids, params, time.time())
+        out_stream = self.client.generate(new_request_id("tgi"), text, ids, params, time.time(), stream=stream)
         return req, ids, out_stream
 
     def _token(self, tid: int, logprob: float | None, text: str | None = None) -> Token:
