@@ -49,7 +49,7 @@ def serve_cluster():
     from router.config import AppConfig
 
     port = _free_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         main_cfg = AppConfig(**BASE, num_replicas=2)

@@ -154,3 +154,16 @@ def test_engine_deployment_options():
     from router.app import required_cpus
 
     assert required_cpus(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=0.5)) == 6.0
+
+
+def test_serve_yaml_builds_the_app():
+    """What `serve run deploy/serve.yaml` does with import_path + args (no cluster needed)."""
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+
+    raw = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())["applications"][0]
+    app = call_user_app_builder_with_args_if_necessary(import_attr(raw["import_path"]), raw["args"])
+    assert isinstance(app, Application)
+    with pytest.raises(ValidationError):  # args are validated by AppConfig
+        call_user_app_builder_with_args_if_necessary(import_attr(raw["import_path"]), {"tensor_parallel_size": 0})
