@@ -118,11 +118,11 @@ class Router:
             first = await result.__anext__()  # errors before the first chunk keep their HTTP status
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))
-        return StreamingResponse(self._sse_stream(api_path(request), first, result, tgi),
+        return StreamingResponse(self._sse_stream(first, result, tgi),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _sse_stream(self, path: str, first: dict, rest: AsyncIterator[dict], tgi: bool):
+    async def _sse_stream(self, first: dict, rest: AsyncIterator[dict], tgi: bool):
         try:
             yield _sse(first)
             async for chunk in rest:
