@@ -1,0 +1,66 @@
+"""What the router's cancellation relies on, without Ray: dropping an AsyncEngine token stream
+(the replica's generator closed or cancelled) aborts the request before the next steps and every
+KV block returns to the pool."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import EngineArgs
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = AsyncEngine(EngineArgs(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1))
+    yield eng
+    eng.shutdown()
+
+
+def _idle(eng: AsyncEngine, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = eng.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["blocks_used"] == 0:
+            return s
+        time.sleep(0.05)
+    return eng.stats()
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+def test_dropped_token_stream_aborts(engine, how):
+    ids = engine.tokenizer("Write a long story about the sea.").input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def consume():
+        stream = engine.generate_tokens(f"abort-{how}", ids, params)
+        n = 0
+        if how == "aclose":
+            async for out in stream:
+                n += len(out.new_token_ids)
+                if n >= 3:
+                    break
+            await stream.aclose()
+        else:
+            async def reader():
+                nonlocal n
+                async for out in stream:
+                    n += len(out.new_token_ids)
+            task = asyncio.create_task(reader())
+            while n < 3:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        return n
+
+    steps_before = engine.step_count
+    asyncio.run(consume())
+    s = _idle(engine)
+    assert s["num_running"] == 0 and s["blocks_used"] == 0, s
+    assert engine.step_count - steps_before < 60  # far from the 500 tokens asked for
