@@ -27,7 +27,7 @@ def parse(text: str) -> dict[str, float]:
     return out if found else {}
 
 
-def scrape(root: str, timeout: float = 5.0) -> dict[str, float]:
+def scrape(root: str, timeout: float = 30.0) -> dict[str, float]:
     try:
         r = httpx.get(root.rstrip("/") + "/metrics", timeout=timeout)
         return parse(r.text) if r.status_code == 200 else {}
