@@ -3,9 +3,12 @@
 // share a KV head are processed together so each K/V row is loaded once.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -23,6 +26,33 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   for (int64_t x = 0; x < n; ++x) d[x] = static_cast<uint32_t>(s[x]) << 16;
+}
+
+using Vec = at::vec::Vectorized<float>;
+
+// Dot product of two float rows, SIMD across the head dimension.
+static inline float dot(const float* a, const float* b, int64_t d) {
+  Vec acc(0.f);
+  int64_t x = 0;
+  for (; x + Vec::size() <= d; x += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + x), Vec::loadu(b + x), acc);
+  float out = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc);
+  for (; x < d; ++x) out += a[x] * b[x];
+  return out;
+}
+
+// acc = acc * c + sum_t p[t] * v[t], SIMD across the head dimension.
+static inline void scale_add(float* acc, float c, const float* p, const float* v, int64_t n, int64_t d) {
+  int64_t x = 0;
+  for (; x + Vec::size() <= d; x += Vec::size()) {
+    Vec a = Vec::loadu(acc + x) * Vec(c);
+    for (int64_t t = 0; t < n; ++t) a = at::vec::fmadd(Vec(p[t]), Vec::loadu(v + t * d + x), a);
+    a.store(acc + x);
+  }
+  for (; x < d; ++x) {
+    float a = acc[x] * c;
+    for (int64_t t = 0; t < n; ++t) a += p[t] * v[t * d + x];
+    acc[x] = a;
+  }
 }
 
 template <typename scalar_t>
@@ -57,19 +87,23 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
         const int64_t off = (h * nb + bt[i * maxb + t0 / bs]) * bs * d;
         const scalar_t* kr = kp + off;
         const scalar_t* vr = vp + off;
-        widen(kr, kf.data(), n * d);
-        widen(vr, vf.data(), n * d);
+        const float* kb;
+        const float* vb;
+        if constexpr (std::is_same_v<scalar_t, float>) {  // already float: read the cache in place
+          kb = kr;
+          vb = vr;
+        } else {
+          widen(kr, kf.data(), n * d);
+          widen(vr, vf.data(), n * d);
+          kb = kf.data();
+          vb = vf.data();
+        }
         for (int64_t gi = 0; gi < g; ++gi) {
           const float* qq = qf.data() + gi * d;
           float* s = sc.data() + gi * bs;
+          for (int64_t t = 0; t < n; ++t) s[t] = dot(qq, kb + t * d, d);
           float bmax = m[gi];
-          for (int64_t t = 0; t < n; ++t) {
-            const float* kk = kf.data() + t * d;
-            float dot = 0.f;
-            for (int64_t x = 0; x < d; ++x) dot += qq[x] * kk[x];
-            s[t] = dot;
-            bmax = std::max(bmax, dot);
-          }
+          for (int64_t t = 0; t < n; ++t) bmax = std::max(bmax, s[t]);
           const float c = std::exp(m[gi] - bmax);  // rescale what was accumulated (0 at start)
           m[gi] = bmax;
           float sum = 0.f;
@@ -79,12 +113,7 @@ static void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, co
           }
           l[gi] = l[gi] * c + sum;
           float* a = acc.data() + gi * d;
-          for (int64_t x = 0; x < d; ++x) a[x] *= c;
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = s[t];
-            const float* vv = vf.data() + t * d;
-            for (int64_t x = 0; x < d; ++x) a[x] += p * vv[x];
-          }
+          scale_add(a, c, s, vb, n, d);
         }
       }
       for (int64_t gi = 0; gi < g; ++gi) {
