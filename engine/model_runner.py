@@ -38,6 +38,9 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = load_model(self.mc.model_dir, self.mc.hf_config, self.mc.dtype, self.device, self.mc.max_model_len)
+        # Fixed for the model's life: whether step metadata needs padded decode buckets.
+        self.uses_decode_buckets = self.model.attention_layers()[0].backend.uses_decode_buckets
+        self._eos = list(self.mc.eos_token_ids)
 
     @property
     def num_kv_heads_local(self) -> int:
@@ -64,7 +67,7 @@ class ModelRunner:
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
         batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in rids], self.cc.block_size, self.device,
-                                 decode_buckets=self.model.attention_layers()[0].backend.uses_decode_buckets)
+                                 decode_buckets=self.uses_decode_buckets)
         with forward_context(batch.meta):
             hidden = self.model(batch.input_ids, batch.positions)
         by_id = {r: self.states[r] for r in batch.request_ids}
@@ -72,7 +75,7 @@ class ModelRunner:
         sample_idx = [k for k, r in enumerate(batch.request_ids)
                       if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens]
         prompt_lp = self._prompt_logprob_rows(batch, by_id)
-        rows = [batch.last_rows[k] for k in sample_idx] + [row for _, rs, _ in prompt_lp for row in rs]
+        rows = [batch.last_rows[k] for k in sample_idx] + [row for _, rs, _, _ in prompt_lp for row in rs]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         for k, r in enumerate(batch.request_ids):
             by_id[r].num_computed_tokens += batch.counts[k]
@@ -81,7 +84,8 @@ class ModelRunner:
         return self._sample(batch, by_id, sample_idx, logits, prompt_lp)
 
     def _prompt_logprob_rows(self, batch, by_id):
-        """(request id, hidden rows, target token ids) for prompt positions computed this step."""
+        """(request id, hidden rows, target token ids, chunk starts the prompt) for prompt
+        positions computed this step."""
         out = []
         for k, r in enumerate(batch.request_ids):
             st = by_id[r]
@@ -92,7 +96,7 @@ class ModelRunner:
             if last <= nc:
                 continue
             rows = list(range(batch.starts[k], batch.starts[k] + last - nc))
-            out.append((r, rows, st.prompt_token_ids[nc + 1 : last + 1]))
+            out.append((r, rows, st.prompt_token_ids[nc + 1 : last + 1], nc == 0))
         return out
 
     def _sample(self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, prompt_lp) -> ModelRunnerOutput:
@@ -104,7 +108,7 @@ class ModelRunner:
                     for s in sts]
             md = SamplingMetadata.build(
                 [s.sampling_params for s in sts], [s.prompt_token_ids for s in sts], [s.output_token_ids for s in sts],
-                gens, [list(self.mc.eos_token_ids) for _ in sts], self.device)
+                gens, [self._eos] * len(sts), self.device)
             res = self.sampler(logits[:ns], md)
             tokens = res.sampled_token_ids.tolist()
             for j, s in enumerate(sts):
@@ -113,14 +117,14 @@ class ModelRunner:
                 out.sampled_token_ids.append([tokens[j]])
                 out.logprobs.append(res.logprobs[j])
         off = ns
-        for r, rows, targets in prompt_lp:
+        for r, rows, targets, starts_prompt in prompt_lp:
             st = by_id[r]
             lps = compute_prompt_logprobs(logits[off : off + len(rows)], targets, st.sampling_params.prompt_logprobs)
             off += len(rows)
-            first = [None] if st.num_computed_tokens - batch.counts[batch.request_ids.index(r)] == 0 else []
-            out.prompt_logprobs[r] = first + lps
+            out.prompt_logprobs[r] = ([None] if starts_prompt else []) + lps
+        sampled = set(out.request_ids)
         for r in batch.request_ids:  # partial prefill chunks: no token this step
-            if r not in out.request_ids:
+            if r not in sampled:
                 out.request_ids.append(r)
                 out.sampled_token_ids.append([])
                 out.logprobs.append(None)
