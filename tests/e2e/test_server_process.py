@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,14 @@ import time
 import httpx
 import pytest
 
+from tests.net import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(

@@ -8,33 +8,13 @@ Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
 """
 from __future__ import annotations
 
-import socket
-import time
 
 import httpx
 import pytest
 
+from tests.net import free_port, wait_healthy
+
 STRICT_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, headers=None, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = httpx.get(f"{url}/health", headers=headers, timeout=10)
-            if last.status_code == 200:
-                return
-        except httpx.HTTPError as e:
-            last = e
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} never became healthy: {last!r}")
 
 
 BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1, cpus_per_worker=1.0)
@@ -48,7 +28,7 @@ def serve_cluster():
     from router.app import build_app
     from router.config import AppConfig
 
-    port = _free_port()
+    port = free_port()
     ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -59,8 +39,8 @@ def serve_cluster():
         handle = serve.run(build_app(main_cfg), name="main", route_prefix="/")
         strict = serve.run(build_app(strict_cfg), name="strict", route_prefix="/strict")
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url)
-        _wait_healthy(f"{url}/strict")
+        wait_healthy(url)
+        wait_healthy(f"{url}/strict")
         yield {"url": url, "strict_url": f"{url}/strict", "handle": handle, "strict_handle": strict,
                "main_cfg": main_cfg, "strict_cfg": strict_cfg, "strict_key": STRICT_KEY}
     finally:
