@@ -30,6 +30,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None  # seconds from arrival to first schedule; on the first tokens only
 
     @property
     def finished(self) -> bool:

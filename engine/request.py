@@ -56,6 +56,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit tokens at first schedule; -1 = not yet
+    first_scheduled_time: float | None = None  # monotonic; arrival to this is the queue time
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids

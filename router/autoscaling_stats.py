@@ -42,14 +42,13 @@ class AutoscalingStats:
     def _oldest_unscheduled_age(self) -> float:
         """Age (s) of the oldest request the scheduler has never scheduled (0 if none)."""
         sched = self.replica.engine.engine.core.scheduler
-        first_sched = self.replica._first_sched
         try:
             waiting = list(sched.waiting)  # the step thread may append meanwhile
         except RuntimeError:
             return 0.0
         oldest = None
         for r in waiting:
-            if r.status == RequestStatus.WAITING and r.request_id not in first_sched:
+            if r.status == RequestStatus.WAITING and r.first_scheduled_time is None:
                 oldest = r.arrival_time if oldest is None else min(oldest, r.arrival_time)
         return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
 

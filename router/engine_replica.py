@@ -33,25 +33,6 @@ from router.metrics import COUNTERS, new_histograms
 log = logging.getLogger(__name__)
 
 
-def _track_first_schedule(scheduler, first_sched: dict[str, float]) -> None:
-    """Record when each request is first scheduled (its queue time ends there).
-
-    Wraps this engine's `scheduler.schedule` instance attribute; the engine is not changed.
-    Runs on the engine's step thread; the dict is read on the event loop (GIL-atomic ops).
-    """
-    inner = scheduler.schedule
-
-    def schedule():
-        out = inner()
-        if out.new_requests:
-            now = time.monotonic()
-            for nr in out.new_requests:
-                first_sched.setdefault(nr.request_id, now)
-        return out
-
-    scheduler.schedule = schedule
-
-
 class _RequestTimes:
     __slots__ = ("arrival_wall", "arrival_mono", "first_token", "last_token", "children_done")
 
@@ -74,10 +55,8 @@ class EngineReplica:
         self.hist = new_histograms()
         self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens")}
         self.finished: dict[str, int] = {}
-        self._first_sched: dict[str, float] = {}
         self._stopped: set[str] = set()  # children the router finished (stop string)
         self._active: set[str] = set()  # children of requests in flight here
-        _track_first_schedule(self.engine.engine.core.scheduler, self._first_sched)
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)
 
     # --- generation -------------------------------------------------------------------------
@@ -116,7 +95,6 @@ class EngineReplica:
                 self.engine.abort(request_id)
             await stream.aclose()
             for c in children:
-                self._first_sched.pop(c, None)
                 if c not in times.children_done:
                     reason = "stop" if c in self._stopped else "abort"
                     self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -135,10 +113,8 @@ class EngineReplica:
             last = times.last_token.get(rid)
             if last is not None:
                 self.hist["inter_token_latency_seconds"].observe(now - last)
-            else:
-                sched = self._first_sched.pop(rid, None)
-                if sched is not None:
-                    self.hist["request_queue_time_seconds"].observe(max(0.0, sched - times.arrival_mono))
+            elif out.queue_time is not None:
+                self.hist["request_queue_time_seconds"].observe(max(0.0, out.queue_time))
             times.last_token[rid] = now
         if out.finished:
             times.children_done.add(rid)

@@ -7,6 +7,7 @@ tokens and applies stop conditions.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Iterable
 
@@ -183,6 +184,8 @@ class Scheduler:
                 req.num_computed_tokens += num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled_new.append(req)
@@ -254,6 +257,8 @@ class Scheduler:
                         finish_reason=req.status.finish_reason if stopped else None,
                         stop_reason=req.stop_reason if stopped else None,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
+                        queue_time=(req.first_scheduled_time - req.arrival_time)
+                        if new_tokens and req.num_output_tokens == len(new_tokens) else None,
                     )
                 )
         return outputs
