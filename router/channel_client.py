@@ -1,0 +1,77 @@
+"""The router side of output channels (see `router/output_channel.py`): one consumer task per
+engine replica this router has requests on, handing each decoded batch to a callback.
+
+A channel is opened (a streaming call pinned to the replica) when the first request there is
+attached, and reopened while requests remain when the replica ended it; the replica ends it
+once this router has nothing left there, so an idle router holds no call open (Serve's graceful
+drain on scale-down waits for open calls).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Callable
+
+from router.output_channel import decode
+
+log = logging.getLogger(__name__)
+
+
+class LostRequestsError(RuntimeError):
+    pass
+
+
+class ReplicaChannels:
+    def __init__(self, stream_handle, on_batch: Callable[[str, list], None],
+                 on_error: Callable[[str, list[str], BaseException], None]):
+        self.stream_handle = stream_handle
+        self.router_id = f"router-{uuid.uuid4().hex}"
+        self.on_batch, self.on_error = on_batch, on_error
+        self.active: dict[str, set[str]] = {}  # replica id -> request ids waiting for outputs
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def attach(self, replica: str, request_id: str) -> None:
+        self.active.setdefault(replica, set()).add(request_id)
+        if replica not in self._tasks:
+            self._tasks[replica] = asyncio.get_running_loop().create_task(self._run(replica))
+
+    def detach(self, replica: str, request_id: str) -> None:
+        ids = self.active.get(replica)
+        if ids is not None:
+            ids.discard(request_id)
+            if not ids:
+                del self.active[replica]
+
+    def load(self, replica: str) -> int:
+        return len(self.active.get(replica, ()))
+
+    async def _run(self, replica: str) -> None:
+        empty = 0  # channel calls in a row that brought nothing
+        try:
+            while replica in self.active:
+                gen = self.stream_handle.output_channel.remote(self.router_id, replica_id=replica)
+                got = False
+                async for payload in gen:
+                    got = True
+                    self.on_batch(replica, decode(payload))
+                empty = 0 if got else empty + 1
+                if empty and replica in self.active:
+                    # The replica has nothing for requests we still wait for: it lost them
+                    # (restarted, shut down). Look once more, then fail them.
+                    if empty >= 2:
+                        raise LostRequestsError(f"engine replica {replica} no longer runs these requests")
+                    await asyncio.sleep(0.05)
+            # No await between the check above and the pop below: a request attached after
+            # the check finds no task and starts a new one.
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the replica is gone: its requests fail
+            log.warning("output channel of replica %s failed: %s", replica, e)
+            self.on_error(replica, list(self.active.pop(replica, ())), e)
+        finally:
+            self._tasks.pop(replica, None)
+
+    def close(self) -> None:
+        for t in list(self._tasks.values()):
+            t.cancel()

@@ -1,0 +1,71 @@
+"""The replica side of an output channel: one long-lived stream per (router, engine replica)
+carrying every request's outputs of an engine step in one message.
+
+Why: one Serve streaming call per request cost one Ray message per token per request (replica ->
+router), each with its own serialization, RPC and cross-thread wake-ups on both ends. A channel
+sends one message per engine step for all of a router's requests there (vLLM's engine-core
+socket does the same). Requests are started and stopped with unary calls (`submit`, `finish`,
+`abort`) pinned to the replica.
+
+Wire format: a message is `encode(items)`, the stdlib pickle of a list whose items are
+`EngineCoreOutput`s or `(request_id, exception)` for a request that failed; C pickle of small
+dataclasses costs a few microseconds each, and Ray then ships one bytes object.
+
+A channel ends once its router has no request left on the replica and every output is sent, so
+Serve's graceful drain (it waits for ongoing calls) completes on scale-down; the router opens a
+new one with its next request there.
+"""
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+
+def encode(items: list) -> bytes:
+    return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(payload: bytes) -> list:
+    return pickle.loads(payload)  # only from our own replicas
+
+
+class Outbox:
+    """Outputs of one router's requests on this replica, waiting for that router's channel."""
+
+    __slots__ = ("items", "active", "_event")
+
+    def __init__(self):
+        self.items: list = []
+        self.active: set[str] = set()  # request ids still running here for this router
+        self._event = asyncio.Event()
+
+    def put(self, item) -> None:
+        self.items.append(item)
+        self._event.set()
+
+    def extend(self, items: list) -> None:
+        if items:
+            self.items.extend(items)
+            self._event.set()
+
+    def request_done(self, request_id: str) -> None:
+        self.active.discard(request_id)
+        self._event.set()  # the channel may end now
+
+    @property
+    def idle(self) -> bool:
+        return not self.items and not self.active
+
+    async def messages(self):
+        """Encoded batches, one per wake-up (all outputs put since the last one), until idle.
+        Pumps put outputs in the same loop iteration after an engine step, so a wake-up
+        normally collects the whole step."""
+        while True:
+            if not self.items:
+                if not self.active:
+                    return
+                self._event.clear()
+                await self._event.wait()
+                continue
+            items, self.items = self.items, []
+            yield encode(items)
