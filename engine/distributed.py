@@ -1,10 +1,18 @@
 """Tensor-parallel group state seen by the layers. tp=1 needs no torch.distributed at all.
 
-The Ray side (workers/) creates the process group and calls `set_tp_group`; the engine only
-uses the collectives below, so it never imports ray.
+The Ray side (workers/) creates the process group; the engine only uses the collectives
+below, so it never imports ray. A remote rank (one per process) sets its group for the whole
+process with `set_tp_group`; rank 0 runs inside the driver, where several engines may live
+(each with its own group, stepped from any thread), so it binds its group only around its own
+work with `bound_tp_group`.
+
+Groups are constructed directly (not registered as torch's default/world group), so the
+collectives call the group object itself where torch's helpers would need the registry.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -14,14 +22,15 @@ import torch
 class TPGroup:
     size: int = 1
     rank: int = 0
-    group: object | None = None  # torch.distributed ProcessGroup when size > 1
+    group: object | None = None  # a torch.distributed ProcessGroup/Backend when size > 1
 
 
 _TP = TPGroup()
+_BOUND = threading.local()  # per-thread override: rank 0 in the driver
 
 
 def get_tp_group() -> TPGroup:
-    return _TP
+    return getattr(_BOUND, "tp", None) or _TP
 
 
 def set_tp_group(size: int, rank: int, group: object | None = None) -> None:
@@ -29,32 +38,41 @@ def set_tp_group(size: int, rank: int, group: object | None = None) -> None:
     _TP = TPGroup(size=size, rank=rank, group=group)
 
 
+@contextmanager
+def bound_tp_group(tp: TPGroup):
+    """Use `tp` on this thread for the duration (model loading and each step of rank 0)."""
+    prev = getattr(_BOUND, "tp", None)
+    _BOUND.tp = tp
+    try:
+        yield tp
+    finally:
+        _BOUND.tp = prev
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP.size == 1:
+    tp = get_tp_group()
+    if tp.size == 1:
         return x
     import torch.distributed as dist
 
-    dist.all_reduce(x, group=_TP.group)
+    dist.all_reduce(x, group=tp.group)
     return x
 
 
 def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate each rank's last-dim shard on rank 0 (LM head); other ranks get None."""
-    if _TP.size == 1:
+    tp = get_tp_group()
+    if tp.size == 1:
         return x
     import torch.distributed as dist
 
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_TP.size)] if _TP.rank == 0 else None
-    dist.gather(x, parts, dst=dist.get_global_rank(_TP.group, 0) if _TP.group else 0, group=_TP.group)
-    return torch.cat(parts, dim=-1) if _TP.rank == 0 else None
+    opts = dist.GatherOptions()
+    opts.rootRank = 0
+    if tp.rank == 0:
+        parts = [torch.empty_like(x) for _ in range(tp.size)]
+        tp.group.gather([parts], [x], opts).wait()
+        return torch.cat(parts, dim=-1)
+    tp.group.gather([], [x], opts).wait()
+    return None
 
-
-def tp_broadcast_object(obj: object, src: int = 0) -> object:
-    if _TP.size == 1:
-        return obj
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_TP.group)
-    return box[0]

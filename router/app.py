@@ -27,17 +27,16 @@ ROUTING_STATS_PERIOD_S = 1.0
 
 def engine_deployment_options(cfg: AppConfig) -> dict:
     """Serve options of the engine deployment: one placement group (STRICT_PACK) per replica,
-    bundle i for TP rank i. At tp=1 the engine runs inside the replica actor (bundle 0 is its
-    own); at tp>1 every rank is a TPWorker actor in its bundle (workers/ray_executor.py), so
-    the replica actor, which only drives them, reserves nothing of bundle 0."""
-    in_process = cfg.tensor_parallel_size == 1
-    # Each TPWorker actor asks for one CPU (engine.executor.make_executor -> RayExecutor defaults).
-    bundle = {"CPU": cfg.cpus_per_worker if in_process else max(1.0, cfg.cpus_per_worker)}
+    bundle i for TP rank i. The replica actor itself reserves bundle 0 (ray_actor_options): the
+    engine runs in it at tp=1, and at tp>1 it is rank 0 (workers/driver_rank.py), which needs
+    its cores and GPU; ranks 1..tp-1 are TPWorker actors in bundles 1..tp-1."""
+    # A TPWorker actor asks for one CPU (engine.executor.make_executor -> RayExecutor defaults),
+    # so at tp>1 every bundle has at least that (all bundles alike: rank 0 does the same work).
+    cpus = cfg.cpus_per_worker if cfg.tensor_parallel_size == 1 else max(1.0, cfg.cpus_per_worker)
+    bundle = {"CPU": cpus}
+    actor = {"num_cpus": cpus}
     if cfg.worker_gpus:
-        bundle["GPU"] = cfg.worker_gpus
-    actor = {"num_cpus": cfg.cpus_per_worker if in_process else 0}
-    if cfg.worker_gpus and in_process:
-        actor["num_gpus"] = cfg.worker_gpus
+        bundle["GPU"] = actor["num_gpus"] = cfg.worker_gpus
     # Room for every accepted request plus control calls (finish, stats, health): the engine's
     # own queue bound answers 429 long before Serve would start queueing in the caller.
     max_ongoing = cfg.max_num_seqs + cfg.max_queued_requests_per_replica + 64

@@ -1,9 +1,12 @@
-"""Where a tensor-parallel group's actors run: a STRICT_PACK placement group (one node),
-one bundle per rank ({"GPU": 1} on CUDA, CPUs otherwise).
+"""Where a tensor-parallel group's remote ranks (1..tp-1) run: in a STRICT_PACK placement
+group on the driver's node, since rank 0 runs inside the driver (workers/driver_rank.py).
 
-Inside a Ray Serve replica started with `placement_group_bundles`, the replica's own
-placement group is reused (`ray.util.get_current_placement_group()`); the ranks take the
-last `tp` bundles (bundle 0 is the replica's when there are tp + 1).
+Inside a Ray Serve replica started with `placement_group_bundles`, the replica's own placement
+group is reused (`ray.util.get_current_placement_group()`): bundle 0 is the replica's (rank 0:
+the replica reserves it with its ray_actor_options) and the remote ranks take the last tp-1
+bundles. Otherwise (offline `LLM`, the driver is the user's process) a new group of tp-1
+bundles is pinned to the driver's node with a node-id label selector; on CUDA it has a bundle
+0 too, held by a placeholder actor so Ray never hands the driver's GPU to a remote rank.
 """
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.errors import EngineDeadError
-
 
 _OWN_RAY_USERS = 0  # executors using a Ray instance this process started itself
 
@@ -52,18 +54,33 @@ def rank_resources(device_type: str, num_cpus: float) -> dict:
     return {"CPU": num_cpus, "GPU": 1} if device_type == "cuda" else {"CPU": num_cpus}
 
 
+@ray.remote(num_cpus=0, num_gpus=1)
+class _GpuHold:
+    """Holds bundle 0's GPU for a driver that is not a Ray actor (offline LLM on CUDA)."""
+
+    def gpu_ids(self) -> list:
+        return ray.get_gpu_ids()
+
+
 @dataclass
 class GroupPlacement:
     pg: PlacementGroup
-    bundle_indices: list[int]
+    bundle_indices: list[int]  # one per remote rank (ranks 1..tp-1)
     owned: bool  # we created the placement group, so we remove it
+    driver_device: str | None = None  # offline CUDA: the GPU bundle 0 reserved for rank 0
+    holder: object | None = None
 
-    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+    def strategy(self, remote_index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=self.bundle_indices[rank],
+            placement_group=self.pg, placement_group_bundle_index=self.bundle_indices[remote_index],
             placement_group_capture_child_tasks=False)
 
     def release(self) -> None:
+        if self.holder is not None:
+            try:
+                ray.kill(self.holder)
+            except Exception:
+                pass
         if self.owned:
             try:
                 remove_placement_group(self.pg)
@@ -73,28 +90,45 @@ class GroupPlacement:
 
 def place_group(tp: int, device_type: str, num_cpus: float, pg: PlacementGroup | None = None,
                 bundle_indices: list[int] | None = None, timeout_s: float = 60.0) -> GroupPlacement:
-    """Reserve (or adopt) one node's worth of bundles for `tp` ranks."""
+    """Reserve (or adopt) bundles on the driver's node for the tp-1 remote ranks."""
+    n_remote = tp - 1
     if pg is None:
         pg = ray.util.get_current_placement_group()
     if pg is not None:
         n = len(pg.bundle_specs)
         if bundle_indices is None:
             if n < tp:
-                raise ValueError(f"placement group has {n} bundles, tensor_parallel_size={tp} needs {tp}")
-            bundle_indices = list(range(n - tp, n))
-        if len(bundle_indices) != tp or any(not 0 <= b < n for b in bundle_indices):
-            raise ValueError(f"bundle_indices {bundle_indices} do not name {tp} bundles of a {n}-bundle placement group")
-        owned = False
+                raise ValueError(f"placement group has {n} bundles, tensor_parallel_size={tp} needs {tp} "
+                                 "(bundle 0 for the driver's rank 0, one per remote rank)")
+            bundle_indices = list(range(n - n_remote, n))
+        if len(bundle_indices) != n_remote or any(not 0 <= b < n for b in bundle_indices):
+            raise ValueError(f"bundle_indices {bundle_indices} do not name {n_remote} bundles of a {n}-bundle placement group")
+        placement = GroupPlacement(pg, bundle_indices, owned=False)
     else:
-        pg = placement_group([rank_resources(device_type, num_cpus)] * tp, strategy="STRICT_PACK",
-                             name=f"orbital-tp{tp}-{uuid.uuid4().hex[:8]}")
-        bundle_indices, owned = list(range(tp)), True
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        node = ray.get_runtime_context().get_node_id()
+        bundles = [rank_resources(device_type, num_cpus)] * n_remote
+        if device_type == "cuda":
+            bundles = [{"GPU": 1}] + bundles
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"orbital-tp{tp}-{uuid.uuid4().hex[:8]}",
+                             bundle_label_selector=[{"ray.io/node-id": node}] * len(bundles))
+        first = 1 if device_type == "cuda" else 0
+        placement = GroupPlacement(pg, list(range(first, first + n_remote)), owned=True)
+    ready, _ = ray.wait([placement.pg.ready()], timeout=timeout_s)
     if not ready:
-        if owned:
-            remove_placement_group(pg)
+        placement.release()
         raise EngineDeadError(
-            f"cannot place a tensor-parallel group of {tp} ranks on one node within {timeout_s:.0f}s: each rank "
-            f"needs {rank_resources(device_type, num_cpus)} and STRICT_PACK needs them all on one node "
+            f"cannot place the {n_remote} remote rank(s) of a tensor-parallel group of {tp} on the driver's node "
+            f"within {timeout_s:.0f}s: each needs {rank_resources(device_type, num_cpus)} there "
             f"(cluster resources: {ray.available_resources()})")
-    return GroupPlacement(pg, bundle_indices, owned)
+    if placement.owned and device_type == "cuda":
+        _hold_driver_gpu(placement)
+    return placement
+
+
+def _hold_driver_gpu(placement: GroupPlacement) -> None:
+    """Reserve bundle 0's GPU with a placeholder actor; rank 0 in the driver uses that GPU."""
+    placement.holder = _GpuHold.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=placement.pg, placement_group_bundle_index=0)).remote()
+    gpu = str(ray.get(placement.holder.gpu_ids.remote(), timeout=60)[0])
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    placement.driver_device = f"cuda:{visible.index(gpu) if visible else gpu}"

@@ -1,8 +1,13 @@
 """One tensor-parallel group as a torch.distributed process group (NCCL on CUDA, gloo on CPU).
 
-Rendezvous: rank 0 opens a TCPStore on its node address with port 0, so the OS picks a free
-port atomically (no probe-then-bind race), and hands (address, port) to the other ranks.
-Each group has its own store and port, so many groups on one node never collide.
+Rendezvous: rank 0 (the driver) opens a TCPStore on its node address with port 0, so the OS
+picks a free port atomically (no probe-then-bind race), and hands (address, port) to the other
+ranks. Each group has its own store and port, so many groups on one node never collide.
+
+The group object is built directly rather than through `init_process_group`, so one process
+(the driver) can hold several groups, one per engine. Dropping the last reference to a gloo
+group closes its connections: that is how a rank leaves, and peers blocked in a collective
+with it fail at once ("Connection closed by peer") instead of waiting.
 """
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from engine.distributed import set_tp_group
+from engine.distributed import TPGroup
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("ORBITAL_TP_COLLECTIVE_TIMEOUT_S", "120"))
+# Bounds a collective whose peer neither answers nor closes (a frozen process): the error
+# path for a dead or failed peer is the closed connection, not this timeout.
+DEFAULT_TIMEOUT_S = float(os.environ.get("ORBITAL_TP_COLLECTIVE_TIMEOUT_S", "60"))
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -40,32 +47,36 @@ def open_rendezvous(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> tu
 
 
 def join_group(rank: int, world_size: int, addr: str, port: int, device: str | torch.device,
-               store: object | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Join the group (all ranks call this at once) and publish it to the engine's layers."""
+               store: object | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+    """Join the group (all ranks call this at once); returns it for the caller to bind."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
-    backend = backend_for(device)
-    kwargs = {}
-    if backend == "nccl":
+    if backend_for(device) == "nccl":
         dev = torch.device(device)
-        dev = torch.device("cuda", dev.index if dev.index is not None else 0)
-        torch.cuda.set_device(dev)
-        kwargs["device_id"] = dev
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
-    set_tp_group(world_size, rank, dist.group.WORLD)
+        torch.cuda.set_device(torch.device("cuda", dev.index if dev.index is not None else 0))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    else:
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
     # Warm the communicator (NCCL creates it lazily) and check that everybody is here.
     t = torch.ones(1, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=pg)
     if int(t.item()) != world_size:
         raise RuntimeError(f"process group check failed: all_reduce gave {t.item()}, expected {world_size}")
+    return TPGroup(size=world_size, rank=rank, group=pg)
 
 
-def leave_group() -> None:
-    """Abandon the group; peers blocked in a collective with us fail instead of waiting."""
-    set_tp_group(1, 0, None)
-    if dist.is_initialized():
+def abort_group(tp: TPGroup | None) -> None:
+    """NCCL needs an explicit abort for peers' pending collectives to fail; gloo closes when
+    the caller drops its last reference to the group."""
+    if tp is not None and tp.group is not None and hasattr(tp.group, "abort") and backend_name(tp) == "nccl":
         try:
-            dist.destroy_process_group()
+            tp.group.abort()
         except Exception:
             pass
+
+
+def backend_name(tp: TPGroup) -> str:
+    return "nccl" if type(tp.group).__name__ == "ProcessGroupNCCL" else "gloo"

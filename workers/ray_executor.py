@@ -1,10 +1,12 @@
-"""The executor for tensor_parallel_size > 1: one Ray actor per rank in a STRICT_PACK
-placement group, one torch.distributed group, one model copy and one KV cache between them.
+"""The executor for tensor_parallel_size > 1: rank 0 runs in the driver process (the engine's
+own), ranks 1..tp-1 are Ray actors in a STRICT_PACK placement group on the driver's node; one
+torch.distributed group, one model copy and one KV cache between them.
 
-Per step the driver sends only the scheduler's delta (plus the token ids rank 0 sampled last
-step); the ranks keep request state. Rank 0 samples and returns the ModelRunnerOutput.
-A dead or failed rank becomes an EngineDeadError naming it; the group is then killed so
-nothing waits on it, and a new executor can be built in its place.
+Per step the driver submits the scheduler's delta (plus the token ids rank 0 sampled last
+step) to the remote ranks without waiting, runs rank 0 itself (which samples), and only reaps
+remote calls that have already finished. A dead or failed rank becomes an EngineDeadError
+naming it: it breaks rank 0's collective (closed connection) or shows in a reaped call; the
+group is then torn down so nothing waits on it, and a new executor can be built in its place.
 """
 from __future__ import annotations
 
@@ -20,30 +22,32 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.errors import EngineDeadError
 from engine.executor import Executor
 from engine.model_config import ModelConfig
+from workers.driver_rank import DriverRank
 from workers.placement import ensure_ray, place_group, rank_resources, release_ray
+from workers.remote_ranks import RemoteRanks
 from workers.sharding import check_tp_compatible
-from workers.transport import default_transport, make_transport
 from workers.worker import StepInput, TPWorker, sampled_delta
 
 logger = logging.getLogger(__name__)
 
 
 class RayExecutor(Executor):
-    """`placement_group`/`bundle_indices`: run the ranks in the caller's placement group (a Serve
-    replica's); by default the current placement group is used when there is one, else a new
-    STRICT_PACK group is made. `transport`: "actor_calls" or "compiled_graph" (default: see
-    `workers.transport.default_transport`). The KV budget (`kv_cache_memory_bytes`) is per rank."""
+    """`placement_group`/`bundle_indices`: run the remote ranks in the caller's placement group
+    (a Serve replica's: bundle 0 is the replica's own, for rank 0); by default the current
+    placement group is used when there is one, else a new one on the driver's node. Rank 0 uses
+    the driver's torch thread count; remote ranks `max(1, num_cpus_per_worker)` threads each.
+    The KV budget (`kv_cache_memory_bytes`) is per rank."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
                  device: str | torch.device = "cpu", *, placement_group=None, bundle_indices: list[int] | None = None,
-                 transport: str | None = None, num_cpus_per_worker: float = 1.0,
-                 step_timeout_s: float | None = None, startup_timeout_s: float = 600.0):
+                 num_cpus_per_worker: float = 1.0, step_timeout_s: float | None = None,
+                 startup_timeout_s: float = 600.0):
         self.tp = tp = parallel.tensor_parallel_size
         check_tp_compatible(model_config.hf_config, tp)
         self.device = torch.device(device)
         self.step_timeout_s = step_timeout_s or float(os.environ.get("ORBITAL_STEP_TIMEOUT_S", "600"))
-        self.workers: list = []
-        self.transport = None
+        self.rank0: DriverRank | None = None
+        self.remote: RemoteRanks | None = None
         self.placement = None
         self._dead: str | None = None
         self._prev: dict[str, list[int]] = {}
@@ -54,29 +58,41 @@ class RayExecutor(Executor):
             # while a step is running; steps stay in the default group: one at a time, in order.
             actor_cls = ray.remote(concurrency_groups={"control": 1})(TPWorker)
             gpus = rank_resources(self.device.type, num_cpus_per_worker).get("GPU", 0)
-            self.workers = [
+            threads = max(1, int(num_cpus_per_worker))
+            self.remote = RemoteRanks([
                 actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=gpus, max_restarts=0,
-                                  scheduling_strategy=self.placement.strategy(r), name=None)
-                .remote(r, tp, str(self.device), max(1, int(num_cpus_per_worker)))
-                for r in range(tp)]
+                                  scheduling_strategy=self.placement.strategy(r - 1))
+                .remote(r, tp, str(self.device), threads)
+                for r in range(1, tp)])
+            self.rank0 = DriverRank(tp, self.placement.driver_device or self.device, torch.get_num_threads())
             t = startup_timeout_s
-            addr, port = ray.get(self.workers[0].open_rendezvous.remote(), timeout=t)
-            ray.get([w.join.remote(addr, port) for w in self.workers], timeout=t)
-            budgets = ray.get([w.load.remote(model_config, cache_config) for w in self.workers], timeout=t)
-            self.num_blocks = min(budgets)
-            self._bytes_per_block = ray.get([w.init_kv_cache.remote(self.num_blocks) for w in self.workers], timeout=t)[0]
-            kind = transport or default_transport(self.device.type, tp, max(1, int(num_cpus_per_worker)))
-            self.transport = make_transport(kind, self.workers)
+            addr, port = self.rank0.open_rendezvous()
+            joins = [w.join.remote(addr, port) for w in self.workers]
+            self.rank0.join()
+            ray.get(joins, timeout=t)
+            loads = [w.load.remote(model_config, cache_config) for w in self.workers]
+            budget0 = self.rank0.load(model_config, cache_config)  # loads alongside the remote ranks
+            self.num_blocks = min([budget0] + ray.get(loads, timeout=t))
+            inits = [w.init_kv_cache.remote(self.num_blocks) for w in self.workers]
+            self._bytes_per_block = self.rank0.init_kv_cache(self.num_blocks)
+            ray.get(inits, timeout=t)
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def workers(self) -> list:
+        """The remote ranks' actors: workers[i] is rank i + 1."""
+        return self.remote.actors if self.remote else []
 
     # ---- the Executor interface ----
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if self._dead:
             raise EngineDeadError(self._dead)
         try:
-            out = self.transport.step(StepInput(so, self._prev), self.step_timeout_s)
+            self.remote.submit(StepInput(so, self._prev))
+            out = self.rank0.execute(so)
+            self.remote.reap(self.step_timeout_s)
         except Exception as e:
             self._fail(e)
         self._prev = sampled_delta(out)
@@ -85,7 +101,7 @@ class RayExecutor(Executor):
     def check_health(self) -> None:
         if self._dead:
             raise EngineDeadError(self._dead)
-        refs = [_control(w.ping).remote() for w in self.workers]
+        refs = [w.ping.options(concurrency_group="control").remote() for w in self.workers]
         try:
             ray.get(refs, timeout=10)
         except Exception as e:
@@ -95,13 +111,12 @@ class RayExecutor(Executor):
         return self._bytes_per_block
 
     def shutdown(self) -> None:
-        if self.transport is not None:
-            if self._dead:
-                self._kill_workers()  # a graph cannot stop loops that wait on a dead peer
-            self.transport.close()
-            self.transport = None
-        self._kill_workers()
-        self.workers = []
+        if self.remote is not None:
+            self.remote.kill()  # first: a remote rank may be blocked in a collective with rank 0
+            self.remote = None
+        if self.rank0 is not None:
+            self.rank0.leave()
+            self.rank0 = None
         if self.placement is not None:
             self.placement.release()
             self.placement = None
@@ -110,53 +125,41 @@ class RayExecutor(Executor):
             release_ray()
 
     # ---- introspection (tests, benchmarks) ----
-    @property
-    def transport_name(self) -> str:
-        return self.transport.name if self.transport else "closed"
-
     def worker_info(self) -> list[dict]:
-        return ray.get([_control(w.info).remote() for w in self.workers], timeout=30)
+        """Every rank, rank 0 (this process) first."""
+        remote = ray.get([w.info.options(concurrency_group="control").remote() for w in self.workers], timeout=30)
+        return [self.rank0.info()] + remote
 
     # ---- failure handling ----
     def _fail(self, cause: BaseException):
         self._dead = self._diagnose(cause)
         logger.error("tensor-parallel group failed: %s", self._dead)
-        self._kill_workers()  # blocked peers must not keep the group (or a compiled graph) alive
+        # Rank 0 lets go of the group only now: had it closed first, a rank still blocked in a
+        # collective with it would fail too and look like the culprit.
+        if self.remote is not None:
+            self.remote.kill()
+        if self.rank0 is not None:
+            self.rank0.leave(cause)
         raise EngineDeadError(self._dead) from cause
 
     def _diagnose(self, cause: BaseException) -> str:
-        """Name the rank(s) that died; fall back to the rank whose step raised."""
-        refs = [_control(w.ping).remote() for w in self.workers]
-        dead, stuck = [], []
-        for r, ref in enumerate(refs):
-            try:
-                ray.get(ref, timeout=2.0)
-            except ray.exceptions.RayActorError:
-                dead.append(r)
-            except ray.exceptions.GetTimeoutError:
-                stuck.append(r)
-            except Exception:
-                dead.append(r)
-        first = _summary(cause)
+        """Name the rank(s) that died or failed first; rank 0 when the remote ranks are fine."""
+        dead, failed = self.remote.failures(wait_s=3.0) if self.remote else ([], {})
         if dead:
             ranks = ", ".join(map(str, dead))
             return (f"tensor-parallel rank {ranks} of {self.tp} died (worker actor gone); "
-                    f"the engine cannot continue (first error seen: {first})")
-        failed = [r for r in range(self.tp) if f"tensor-parallel rank {r} failed" in str(cause)]
-        who = f"rank {failed[0]}" if failed else "a rank"
-        extra = f"; unresponsive ranks: {stuck}" if stuck else ""
-        return f"tensor-parallel {who} of {self.tp} failed{extra}: {first}"
-
-    def _kill_workers(self) -> None:
-        for w in self.workers:
-            try:
-                ray.kill(w, no_restart=True)
-            except Exception:
-                pass
+                    f"the engine cannot continue (first error seen: {_summary(cause)})")
+        if failed:
+            # A rank that lost its peer fails too: prefer the one whose error is its own.
+            own = [r for r, e in failed.items() if not _lost_peer(e)] or sorted(failed)
+            rank = min(own)
+            return f"tensor-parallel rank {rank} of {self.tp} failed: {_summary(failed[rank])}"
+        return f"tensor-parallel rank 0 of {self.tp} (in the driver) failed: {_summary(cause)}"
 
 
-def _control(method):
-    return method.options(concurrency_group="control")
+def _lost_peer(err: BaseException) -> bool:
+    text = str(err)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def _summary(cause: BaseException) -> str:

@@ -1,14 +1,16 @@
-"""One tensor-parallel rank: a Ray actor that holds a model shard, its KV cache shard and its
-own per-request state (engine.ModelRunner), and runs one step per driver message.
+"""One remote tensor-parallel rank (1..tp-1): a Ray actor that holds a model shard, its KV
+cache shard and its own per-request state (engine.ModelRunner), and runs one step per driver
+message. Rank 0 runs in the driver itself (workers/driver_rank.py).
 
 The driver sends a `StepInput` per step: the scheduler's delta plus the token ids rank 0
-sampled last step (ranks != 0 do not sample, so this is how they learn them). Rank 0 returns
-the ModelRunnerOutput; the other ranks return None.
+sampled last step (these ranks do not sample, so this is how they learn them); they return None.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -40,25 +42,19 @@ class TPWorker:
         self.num_threads = num_threads
         torch.set_num_threads(num_threads)
         self.runner = None
-        self._store = None
+        self.tp = None
         self._broken: str | None = None
         self._fail_next = False
         self._rendezvous: tuple[str, int] | None = None
-        self._steps, self._busy_s = 0, 0.0  # time inside the model runner (benchmarks)
 
     # ---- set-up, called once in this order ----
-    def open_rendezvous(self) -> tuple[str, int]:
-        from workers.process_group import open_rendezvous
-
-        addr, port, self._store = open_rendezvous(self.world_size)
-        self._rendezvous = (addr, port)
-        return addr, port
-
     def join(self, addr: str, port: int) -> None:
+        from engine.distributed import set_tp_group
         from workers.process_group import join_group
 
         self._rendezvous = (addr, port)
-        join_group(self.rank, self.world_size, addr, port, self.device, store=self._store)
+        self.tp = join_group(self.rank, self.world_size, addr, port, self.device)
+        set_tp_group(self.tp.size, self.tp.rank, self.tp.group)
 
     def load(self, model_config, cache_config) -> int:
         """Build this rank's model shard (reads only its slices) and return its KV block budget."""
@@ -73,33 +69,39 @@ class TPWorker:
         return self.runner.bytes_per_block()
 
     # ---- per step ----
-    def execute(self, inp: StepInput) -> ModelRunnerOutput | None:
+    def execute(self, inp: StepInput) -> None:
         if self._broken:
             raise RuntimeError(f"tensor-parallel rank {self.rank} is unusable after an earlier error: {self._broken}")
-        if torch.get_num_threads() != self.num_threads:  # compiled graphs run us on their own thread
+        if torch.get_num_threads() != self.num_threads:  # in case Ray runs us on another thread
             torch.set_num_threads(self.num_threads)
         try:
             if self._fail_next:
                 self._fail_next = False
                 raise RuntimeError("injected fault")
-            if self.rank != 0:
-                states = self.runner.states
-                for rid, toks in inp.prev_sampled.items():
-                    st = states.get(rid)
-                    if st is not None:
-                        st.output_token_ids.extend(toks)
-            t0 = time.perf_counter()
-            out = self.runner.execute_model(inp.so)
-            self._busy_s += time.perf_counter() - t0
-            self._steps += 1
-            return out
+            states = self.runner.states
+            for rid, toks in inp.prev_sampled.items():
+                st = states.get(rid)
+                if st is not None:
+                    st.output_token_ids.extend(toks)
+            self.runner.execute_model(inp.so)
         except BaseException as e:
             self._broken = f"{type(e).__name__}: {e}"
-            # Leave the group so peers blocked in a collective with us fail instead of hanging.
-            from workers.process_group import leave_group
-
-            leave_group()
+            self._leave(e)
             raise RuntimeError(f"tensor-parallel rank {self.rank} failed: {self._broken}") from e
+
+    def _leave(self, exc: BaseException | None = None) -> None:
+        """Drop every reference to the group so its connections close and rank 0, blocked in a
+        collective with us, fails now rather than at the collective timeout. The traceback's
+        frames would keep the group alive, so their locals are cleared first."""
+        from engine.distributed import set_tp_group
+        from workers.process_group import abort_group
+
+        if exc is not None:
+            traceback.clear_frames(exc.__traceback__)
+        abort_group(self.tp)
+        set_tp_group(1, 0, None)
+        self.runner = self.tp = None
+        gc.collect()
 
     # ---- health and introspection ----
     def ping(self) -> int:
@@ -108,32 +110,16 @@ class TPWorker:
     def info(self) -> dict:
         import ray
 
-        from engine.model.loader import parameter_bytes
+        from workers.driver_rank import runner_info
 
-        kv = self.runner.kv_caches if self.runner else []
         ctx = ray.get_runtime_context()
-        return {
-            "rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-            "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self._rendezvous,
-            "param_bytes": parameter_bytes(self.runner.model) if self.runner and self.runner.model else 0,
-            "kv_cache_shape": tuple(kv[0].shape) if kv else None,
-            "num_kv_heads": self.runner.num_kv_heads_local if self.runner and self.runner.model else None,
-            "num_threads": torch.get_num_threads(), "device": str(self.device),
-        }
-
-    def step_stats(self, reset: bool = False) -> tuple[int, float]:
-        """(steps, seconds spent in the model runner) since the last reset."""
-        stats = (self._steps, self._busy_s)
-        if reset:
-            self._steps, self._busy_s = 0, 0.0
-        return stats
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
+                "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self._rendezvous,
+                **runner_info(self.runner, self.device)}
 
     def fail_next_step(self) -> None:
         """Test hook: the next `execute` raises as if the model had failed on this rank."""
         self._fail_next = True
 
     def shutdown(self) -> None:
-        from workers.process_group import leave_group
-
-        leave_group()
-        self.runner = None
+        self._leave()

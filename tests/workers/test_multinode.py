@@ -1,11 +1,14 @@
-"""Several nodes (ray.cluster_utils.Cluster on this machine): a tp=2 group's actors land on
-one node, two groups land on different nodes, and both generate correctly at the same time."""
+"""Several nodes (ray.cluster_utils.Cluster on this machine). Rank 0 runs in the driver, so a
+group's remote ranks must land on its driver's node: an offline LLM's on the node of the user's
+process (even the smallest), and two engine replicas' (actors, as Serve runs them, each in its
+own STRICT_PACK placement group with bundle 0 for itself) on two different nodes, serving
+correctly at the same time."""
 from __future__ import annotations
-
-import threading
 
 import pytest
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import LLM, SamplingParams
 from tests.workers.conftest import hf_greedy
@@ -20,7 +23,7 @@ def three_nodes():
 
     if ray.is_initialized():
         ray.shutdown()
-    # Head with 1 CPU (no room for a tp=2 group), two nodes with 2 CPUs each.
+    # Head with 1 CPU (room for one remote rank only), two nodes with 2 CPUs each.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
@@ -32,34 +35,64 @@ def three_nodes():
         cluster.shutdown()
 
 
+def _ids(llm):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10),
+                        use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@ray.remote(num_cpus=1)
+class Replica:
+    """An engine replica as Serve runs one: an actor in bundle 0 of its placement group."""
+
+    def start(self, model_dir: str):
+        import torch
+
+        torch.set_num_threads(1)
+        self.llm = LLM(model_dir, tensor_parallel_size=2, **ARGS)
+        return self.llm.engine.core.executor.worker_info()
+
+    def serve(self):
+        return _ids(self.llm)
+
+    def stop(self):
+        self.llm.shutdown()
+
+
 @pytest.mark.slow
-def test_groups_pack_on_one_node_each_and_serve(three_nodes, tiny_llama_dir):
+def test_remote_ranks_land_on_the_drivers_node(three_nodes, tiny_llama_dir):
     cluster, nodes = three_nodes
     assert len([n for n in ray.nodes() if n["Alive"]]) == 3
     expected = [ids for ids, _ in hf_greedy(tiny_llama_dir, PROMPTS, 10)]
-    llms = [LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ARGS) for _ in range(2)]
+    head = ray.get_runtime_context().get_node_id()
+    assert head not in {n.node_id for n in nodes}
+
+    # Offline: the driver is this process, on the 1-CPU head; its remote rank goes there too.
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ARGS)
     try:
-        infos = [llm.engine.core.executor.worker_info() for llm in llms]
-        group_nodes = [{i["node_id"] for i in info} for info in infos]
-        assert all(len(g) == 1 for g in group_nodes), group_nodes  # STRICT_PACK: one node per group
-        assert group_nodes[0] != group_nodes[1]
-        assert group_nodes[0] | group_nodes[1] == {n.node_id for n in nodes}  # not the 1-CPU head
-
-        results, errors = [None, None], []
-
-        def serve(k):
-            try:
-                outs = llms[k].generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                        SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-                results[k] = [o.outputs[0].token_ids for o in outs]
-            except Exception as e:  # pragma: no cover - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=serve, args=(k,)) for k in range(2)]
-        [t.start() for t in threads]
-        [t.join(timeout=120) for t in threads]
-        assert not errors, errors
-        assert results == [expected, expected]
+        assert [i["node_id"] for i in llm.engine.core.executor.worker_info()] == [head, head]
+        assert _ids(llm) == expected
     finally:
-        for llm in llms:
-            llm.shutdown()
+        llm.shutdown()
+
+    # Two replicas: STRICT_PACK groups of 2 bundles only fit the 2-CPU nodes, one each.
+    pgs = [placement_group([{"CPU": 1}] * 2, strategy="STRICT_PACK") for _ in range(2)]
+    replicas = []
+    try:
+        ray.get([pg.ready() for pg in pgs], timeout=60)
+        replicas = [Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+                    .remote() for pg in pgs]
+        infos = ray.get([r.start.remote(str(tiny_llama_dir)) for r in replicas], timeout=180)
+        group_nodes = [{i["node_id"] for i in info} for info in infos]
+        assert all(len(g) == 1 for g in group_nodes), group_nodes  # remote rank beside its driver
+        assert group_nodes[0] | group_nodes[1] == {n.node_id for n in nodes}  # different nodes, not the head
+        for info, pg in zip(infos, pgs):
+            assert [i["placement_group_id"] for i in info] == [pg.id.hex()] * 2
+        results = ray.get([r.serve.remote() for r in replicas], timeout=180)  # both at once
+        assert results == [expected, expected]
+        ray.get([r.stop.remote() for r in replicas], timeout=60)
+    finally:
+        for r in replicas:
+            ray.kill(r)
+        for pg in pgs:
+            remove_placement_group(pg)

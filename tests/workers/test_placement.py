@@ -1,6 +1,7 @@
-"""Placement: ranks of one group share a node and a placement group; several groups on one
-node rendezvous on their own ports; an executor started inside a placement group (as in a
-Ray Serve replica with placement_group_bundles) puts its ranks in that group's bundles."""
+"""Placement: rank 0 runs in the driver and the remote ranks of a group share its node and one
+placement group; several groups in one process (and node) rendezvous on their own ports; an
+executor started inside a placement group (as in a Ray Serve replica with
+placement_group_bundles) keeps bundle 0 for itself and puts the remote ranks in the others."""
 from __future__ import annotations
 
 import threading
@@ -39,9 +40,10 @@ def test_two_groups_on_one_node_start_together_and_do_not_collide(ray_local, tin
         infos = [llm.engine.core.executor.worker_info() for llm in llms]
         ports = [info[0]["rendezvous"] for info in infos]
         assert ports[0] != ports[1] and all(i["rendezvous"] == info[0]["rendezvous"] for info in infos for i in info)
-        for info in infos:
-            assert len({i["placement_group_id"] for i in info}) == 1
-        assert infos[0][0]["placement_group_id"] != infos[1][0]["placement_group_id"]
+        for info in infos:  # rank 0 is this process (no placement group); rank 1 an actor beside it
+            assert info[0]["placement_group_id"] is None and info[1]["placement_group_id"] is not None
+            assert info[0]["node_id"] == info[1]["node_id"]
+        assert infos[0][1]["placement_group_id"] != infos[1][1]["placement_group_id"]
         for llm in llms:
             assert _ids(llm, PROMPTS) == expected
     finally:
@@ -52,7 +54,8 @@ def test_two_groups_on_one_node_start_together_and_do_not_collide(ray_local, tin
 
 @ray.remote(num_cpus=1)
 class FakeReplica:
-    """Stands in for a Serve replica: it lives in bundle 0 and builds its engine in place."""
+    """Stands in for a Serve replica: it lives in bundle 0 (rank 0) and builds its engine in
+    place; the remote rank takes bundle 1."""
 
     def run(self, model_dir: str, prompts):
         import torch
@@ -67,7 +70,7 @@ class FakeReplica:
 
 def test_executor_uses_the_callers_placement_group(ray_local, tiny_llama_dir):
     expected = [ids for ids, _ in hf_greedy(tiny_llama_dir, PROMPTS, 8)]
-    pg = placement_group([{"CPU": 1}] * 3, strategy="STRICT_PACK")
+    pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
     try:
         replica = FakeReplica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote()
@@ -75,6 +78,7 @@ def test_executor_uses_the_callers_placement_group(ray_local, tiny_llama_dir):
         assert got == expected
         assert replica_pg == pg.id.hex()
         assert [i["placement_group_id"] for i in info] == [pg.id.hex()] * 2
+        assert info[0]["num_threads"] == 1 and info[1]["num_threads"] == 1
         ray.kill(replica)
     finally:
         remove_placement_group(pg)

@@ -1,6 +1,9 @@
-"""Tensor parallel over Ray actors gives the same greedy tokens as tp=1 and as transformers
-(float32), logprobs within 1e-3, with prefix caching and chunked prefill on; shards are 1/tp."""
+"""Tensor parallel (rank 0 in the driver, ranks 1.. as Ray actors) gives the same greedy tokens
+as tp=1 and as transformers (float32), logprobs within 1e-3, with prefix caching and chunked
+prefill on; shards are 1/tp on every rank, the driver's rank 0 included."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -55,15 +58,12 @@ def tiny_tp1(tiny_llama_dir):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["compiled_graph", "actor_calls"])
-def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_reference, tiny_tp1, transport, monkeypatch):
-    monkeypatch.setenv("ORBITAL_TP_TRANSPORT", transport)
+def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_reference, tiny_tp1):
     tp1 = _generate(tiny_tp1, PROMPTS)
     _assert_same(tp1, tiny_reference)
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **TINY_ARGS)
     try:
         ex = llm.engine.core.executor
-        assert ex.transport_name == transport
         got = _generate(llm, PROMPTS)
         assert [g[0] for g in got] == [t[0] for t in tp1]
         _assert_same(got, tiny_reference)
@@ -83,7 +83,11 @@ def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_r
         # Shards: parameters ~1/tp per rank, KV cache holds kv_heads/tp heads per rank.
         info = ex.worker_info()
         full = parameter_bytes(tiny_tp1.engine.core.executor.runner.model)
-        assert len({i["pid"] for i in info}) == 2 and len({i["node_id"] for i in info}) == 1
+        assert [i["rank"] for i in info] == [0, 1] and info[0]["pid"] == os.getpid() != info[1]["pid"]
+        assert len({i["node_id"] for i in info}) == 1
+        local = ex.rank0.runner  # rank 0's shard lives in this process
+        assert abs(parameter_bytes(local.model) - full / 2) / full < 0.02
+        assert local.num_kv_heads_local == 2 and tuple(local.kv_caches[0].shape) == (2, 2, ex.num_blocks, 4, 8)
         for i in info:
             assert abs(i["param_bytes"] - full / 2) / full < 0.02, (i["param_bytes"], full)
             assert i["num_kv_heads"] == 2 and i["kv_cache_shape"] == (2, 2, ex.num_blocks, 4, 8)
@@ -186,6 +190,7 @@ def test_smollm2_tp3_matches_tp1_and_transformers(ray_local, smollm_dir, smollm_
     try:
         got3 = run(llm)
         info = llm.engine.core.executor.worker_info()
+        assert [i["rank"] for i in info] == [0, 1, 2] and info[0]["pid"] == os.getpid()
         assert llm.stats()["blocks_used"] == 0
     finally:
         llm.shutdown()

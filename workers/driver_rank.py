@@ -1,0 +1,96 @@
+"""Tensor-parallel rank 0, run inside the driver process (as vLLM's driver worker): no Ray
+hop between the scheduler and the rank that samples. It owns its own process group object,
+bound to the calling thread only while it loads or steps, so several engines (groups) can
+live in one process and be stepped from any thread.
+"""
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+
+import torch
+
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.distributed import TPGroup, bound_tp_group
+
+
+class DriverRank:
+    def __init__(self, world_size: int, device: str | torch.device, num_threads: int):
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.num_threads = num_threads  # the engine's configured torch threads
+        self.tp: TPGroup | None = None
+        self.runner = None
+        self._store = None
+        self.rendezvous: tuple[str, int] | None = None
+        self.steps, self.model_s = 0, 0.0  # time inside the model runner (benchmarks)
+
+    # ---- set-up ----
+    def open_rendezvous(self) -> tuple[str, int]:
+        from workers.process_group import open_rendezvous
+
+        addr, port, self._store = open_rendezvous(self.world_size)
+        self.rendezvous = (addr, port)
+        return addr, port
+
+    def join(self) -> None:
+        """Blocks until every remote rank has joined too (they are started just before)."""
+        from workers.process_group import join_group
+
+        self.tp = join_group(0, self.world_size, *self.rendezvous, self.device, store=self._store)
+
+    def load(self, model_config, cache_config) -> int:
+        from engine.model_runner import ModelRunner
+
+        with bound_tp_group(self.tp):
+            self.runner = ModelRunner(model_config, cache_config, self.device)
+            self.runner.load_model()
+        return self.runner.num_blocks_for_budget()
+
+    def init_kv_cache(self, num_blocks: int) -> int:
+        self.runner.init_kv_cache(num_blocks)
+        return self.runner.bytes_per_block()
+
+    # ---- per step ----
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if torch.get_num_threads() != self.num_threads:  # the engine may step us from its own thread
+            torch.set_num_threads(self.num_threads)
+        with bound_tp_group(self.tp):
+            t0 = time.perf_counter()
+            out = self.runner.execute_model(so)
+            self.model_s += time.perf_counter() - t0
+            self.steps += 1
+        return out
+
+    def leave(self, exc: BaseException | None = None) -> None:
+        """Close our end of the group (remote ranks blocked with us fail instead of waiting)."""
+        from workers.process_group import abort_group
+
+        if exc is not None:  # its frames would keep the group (and its sockets) alive
+            traceback.clear_frames(exc.__traceback__)
+        abort_group(self.tp)
+        self.tp = self.runner = self._store = None
+        gc.collect()
+
+    def info(self) -> dict:
+        import os
+
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"rank": 0, "pid": os.getpid(), "node_id": ctx.get_node_id(),
+                "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self.rendezvous,
+                **runner_info(self.runner, self.device, self.num_threads)}
+
+
+def runner_info(runner, device, num_threads: int | None = None) -> dict:
+    """What tests check about a rank's shard: parameter bytes, KV heads and cache shape."""
+    from engine.model.loader import parameter_bytes
+
+    loaded = runner is not None and runner.model is not None
+    kv = runner.kv_caches if runner is not None else []
+    return {"param_bytes": parameter_bytes(runner.model) if loaded else 0,
+            "kv_cache_shape": tuple(kv[0].shape) if kv else None,
+            "num_kv_heads": runner.num_kv_heads_local if loaded else None,
+            "num_threads": num_threads or torch.get_num_threads(), "device": str(device)}
