@@ -6,6 +6,7 @@ the pure-PyTorch reference path, and tests compare the two.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -30,9 +31,13 @@ def load_paged_decode():
 
             from engine.model.gguf_convert import cache_root
 
-            build = cache_root() / "torch_extensions" / "paged_decode_cpu"
+            here = Path(__file__).parent
+            src = here / "paged_decode_cpu.cpp"
+            # The build folder is named by the sources' hash: an edited kernel (or header) never
+            # reuses a stale build, and builds of different versions never collide.
+            digest = hashlib.sha256(b"".join(p.read_bytes() for p in (src, here / "paged_decode_avx512.h"))).hexdigest()[:12]
+            build = cache_root() / "torch_extensions" / f"paged_decode_cpu-{digest}"
             build.mkdir(parents=True, exist_ok=True)
-            src = Path(__file__).with_name("paged_decode_cpu.cpp")
             _MODULE = load(name="orbital_paged_decode_cpu", sources=[str(src)], build_directory=str(build),
                            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            verbose=False)

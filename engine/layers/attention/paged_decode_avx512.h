@@ -1,0 +1,170 @@
+// AVX-512 paged decode attention, included by paged_decode_cpu.cpp when the compiler targets
+// AVX-512. Same contract as the generic path. Per (sequence, KV head) work item and 16 cached
+// tokens at a time: scores for the G query heads (one 16-lane vector per head), a vectorized
+// exp for the online softmax, then P·V into float accumulators. The generic path spent most of
+// its time in scalar exp and per-element conversions; this one keeps every loop 16 lanes wide.
+#pragma once
+#include <immintrin.h>
+
+namespace avx512 {
+
+constexpr int kMaxG = 16;  // query heads per KV head handled here (GQA groups are <= 8 in practice)
+
+// exp for x <= 0 (scores minus their running max): Cephes-style range reduction, p * 2^n.
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 values of a cached row as float32.
+template <typename T>
+static inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 = high half of a float32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T>
+static constexpr bool kSupported = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+// One work item: query heads h*G .. h*G+G-1 of sequence i against its cached tokens.
+template <int NV, typename T>
+static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blocks, int64_t len, int64_t bs,
+                 int64_t g, float scale, T* op) {
+  constexpr int D = NV * 16;
+  alignas(64) float qf[kMaxG][D];
+  alignas(64) float acc[kMaxG][D];
+  alignas(64) float s[kMaxG][16];
+  alignas(64) float vf[16][D];
+  float m[kMaxG], l[kMaxG];
+  for (int64_t gi = 0; gi < g; ++gi) {
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(qf[gi] + 16 * j, load16(qp + gi * D + 16 * j));
+    for (int j = 0; j < NV; ++j) _mm512_store_ps(acc[gi] + 16 * j, _mm512_setzero_ps());
+    m[gi] = -std::numeric_limits<float>::infinity();
+    l[gi] = 0.f;
+  }
+#if defined(__AVX512BF16__)
+  // bf16 cache: dot products straight from the cache with VDPBF16PS (q is bf16 already, so
+  // the conversion below is exact; the scale is applied to the scores).
+  constexpr bool kDp = std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+  __m512bh qb[kDp ? kMaxG : 1][kDp ? NV / 2 : 1];
+  if constexpr (kDp) {
+    for (int64_t gi = 0; gi < g; ++gi)
+      for (int j = 0; j < NV / 2; ++j)
+        qb[gi][j] = _mm512_cvtne2ps_pbh(_mm512_load_ps(qf[gi] + 32 * j + 16), _mm512_load_ps(qf[gi] + 32 * j));
+  }
+#else
+  constexpr bool kDp = false;
+#endif
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    // Scores s[gi][t] for these n tokens (they may span two cache blocks when bs is not 16).
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t pos = t0 + t;
+      const int64_t row = (static_cast<int64_t>(blocks[pos / bs]) * bs + pos % bs) * D;
+      const T* kr = kbase + row;
+      const T* vr = vbase + row;
+      if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+        for (int64_t gi = 0; gi < g; ++gi) {
+          __m512 a = _mm512_setzero_ps();
+          for (int j = 0; j < NV / 2; ++j)
+            a = _mm512_dpbf16_ps(a, qb[gi][j], (__m512bh)_mm512_loadu_si512(kr + 32 * j));
+          s[gi][t] = _mm512_reduce_add_ps(a) * scale;
+        }
+#endif
+      } else {
+        __m512 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load16(kr + 16 * j);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          __m512 a = _mm512_mul_ps(_mm512_load_ps(qf[gi]), kv[0]);
+          for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_load_ps(qf[gi] + 16 * j), kv[j], a);
+          s[gi][t] = _mm512_reduce_add_ps(a) * scale;
+        }
+      }
+      for (int j = 0; j < NV; ++j) _mm512_store_ps(vf[t] + 16 * j, load16(vr + 16 * j));
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s[gi]);
+      const float bmax = std::max(m[gi], _mm512_reduce_max_ps(sv));
+      const float c = std::exp(m[gi] - bmax);  // rescales what was accumulated (0 at the start)
+      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(bmax))));
+      l[gi] = l[gi] * c + _mm512_reduce_add_ps(p);
+      m[gi] = bmax;
+      _mm512_store_ps(s[gi], p);
+      __m512 a[NV];
+      for (int j = 0; j < NV; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc[gi] + 16 * j), _mm512_set1_ps(c));
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 pt = _mm512_set1_ps(s[gi][t]);
+        for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf[t] + 16 * j), a[j]);
+      }
+      for (int j = 0; j < NV; ++j) _mm512_store_ps(acc[gi] + 16 * j, a[j]);
+    }
+  }
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+    for (int64_t x = 0; x < D; ++x) op[gi * D + x] = static_cast<T>(acc[gi][x] * inv);
+  }
+}
+
+template <int NV, typename T>
+static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  const int64_t b = q.size(0), hq = q.size(1);
+  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t g = hq / hkv, maxb = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  constexpr int64_t D = NV * 16;
+  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t i = w / hkv, h = w % hkv;
+      item<NV, T>(qp + (i * hq + h * g) * D, kp + h * nb * bs * D, vp + h * nb * bs * D, bt + i * maxb, sl[i], bs, g,
+                  static_cast<float>(scale), op + (i * hq + h * g) * D);
+    }
+  });
+}
+
+}  // namespace avx512
+
+// False when this path does not cover the case (dtype, head_dim, group size): use the generic one.
+template <typename T>
+static bool decode_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                          torch::Tensor& out) {
+  if constexpr (!avx512::kSupported<T>) {
+    return false;
+  } else {
+    const int64_t d = q.size(2), g = q.size(1) / k_cache.size(0);
+    if (g > avx512::kMaxG || !k_cache.is_contiguous() || !v_cache.is_contiguous()) return false;
+    switch (d) {
+      case 16: avx512::run<1, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 32: avx512::run<2, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 64: avx512::run<4, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 80: avx512::run<5, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 96: avx512::run<6, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 128: avx512::run<8, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 256: avx512::run<16, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      default: return false;
+    }
+  }
+}
