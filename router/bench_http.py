@@ -162,6 +162,15 @@ def start_http(a) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+def channel_batching() -> dict:
+    """Generated tokens and output-channel messages over the whole run, all engine replicas."""
+    from ray import serve
+
+    stats = serve.get_app_handle("bench").replica_stats.remote().result()
+    return {"tokens": sum(s.get("generation_tokens", 0) for s in stats),
+            "messages": sum(s.get("channel_messages", 0) for s in stats)}
+
+
 def stop_http() -> None:
     import ray
     from ray import serve
@@ -254,6 +263,7 @@ def main(argv=None) -> int:
         prompt = work[0][0]
         off_single = min(offline.single(prompt, a.single_tokens) for _ in range(3))
         http_single_s = min(asyncio.run(http_single(url, prompt, a.single_tokens)) for _ in range(3))
+        channel = channel_batching()
     finally:
         offline.close()
         stop_http()
@@ -269,12 +279,14 @@ def main(argv=None) -> int:
           f" -> CPU-efficiency ratio {cpu_ratio:.1%} (what the wall ratio is on an otherwise idle CPU-bound box)")
     print(f"single stream: {http_single_s * 1e3:.2f} ms/token over HTTP vs {off_single * 1e3:.2f} ms/token "
           f"offline -> router overhead {overhead_ms:.2f} ms/token")
+    print(f"output channel: {channel['tokens'] / max(channel['messages'], 1):.1f} tokens per message "
+          f"({channel['messages']} messages, the whole run)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "offline": off_passes, "http": http_passes, "ratio": ratio, "cpu_ratio": cpu_ratio,
                        "serving_cpu_ms_per_token": serving_ms,
                        "single_s_per_token": {"offline": off_single, "http": http_single_s},
-                       "overhead_ms_per_token": overhead_ms}, f, indent=2)
+                       "overhead_ms_per_token": overhead_ms, "channel": channel}, f, indent=2)
     return 0
 
 

@@ -67,6 +67,7 @@ class EngineReplica:
         self.finished: dict[str, int] = {}
         self._jobs: dict[str, _Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # router id -> its requests' outputs
+        self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)
 
     # --- generation -------------------------------------------------------------------------
@@ -103,6 +104,7 @@ class EngineReplica:
             return
         try:
             async for payload in box.messages():
+                self.channel_messages += 1
                 yield payload
         finally:
             if box.idle and self._outboxes.get(router_id) is box:
@@ -191,6 +193,7 @@ class EngineReplica:
         s = self.engine.stats()
         s.update(self.counters)
         s["replica_id"] = self.replica_id
+        s["channel_messages"] = self.channel_messages
         s["finished"] = dict(self.finished)
         s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}
         s["queue"] = self.queue.stats()

@@ -20,6 +20,10 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+# Loop turns to wait after a wake-up: an output scheduled by the engine thread needs one turn
+# for its callback and one for its pump task; a few more cover outputs still being scheduled.
+COALESCE_TURNS = 3
+
 
 def encode(items: list) -> bytes:
     return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
@@ -57,15 +61,19 @@ class Outbox:
         return not self.items and not self.active
 
     async def messages(self):
-        """Encoded batches, one per wake-up (all outputs put since the last one), until idle.
-        Pumps put outputs in the same loop iteration after an engine step, so a wake-up
-        normally collects the whole step."""
+        """Encoded batches until idle: all outputs put since the previous message.
+
+        The engine thread hands a step's outputs to the loop one by one (each wakes one
+        request's pump task), and the loop may wake between them: after the first output of
+        a step, give the loop a few turns so the rest of the step joins the same message."""
         while True:
             if not self.items:
                 if not self.active:
                     return
                 self._event.clear()
                 await self._event.wait()
+                for _ in range(COALESCE_TURNS):
+                    await asyncio.sleep(0)
                 continue
             items, self.items = self.items, []
             yield encode(items)

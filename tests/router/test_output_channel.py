@@ -1,0 +1,185 @@
+"""Output channels without Serve: the replica's outbox (one message per wake-up, ends when idle),
+the router's channel consumer (reopens while requests remain, fails them when the replica lost
+them or died), the router's own count of running requests per replica, and a real
+EngineReplica driven directly: one message carries several requests, the channel ends by itself,
+`finish` and `abort` end a request and free its KV blocks."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.channel_client import LostRequestsError, ReplicaChannels
+from router.output_channel import Outbox, decode, encode
+from router.replica_choice import LocalLoad
+
+
+def test_outbox_batches_until_idle():
+    async def run():
+        box = Outbox()
+        box.active.update({"a", "b"})
+        got = []
+
+        async def read():
+            async for payload in box.messages():
+                got.append(decode(payload))
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        box.put("a1")
+        box.put("b1")  # same loop iteration: one message
+        await asyncio.sleep(0.01)
+        box.extend(["a2"])
+        box.request_done("a")
+        await asyncio.sleep(0.01)
+        assert not reader.done()  # "b" still runs here
+        box.put("b2")
+        box.request_done("b")
+        await asyncio.wait_for(reader, 1.0)
+        return got
+
+    assert asyncio.run(run()) == [["a1", "b1"], ["a2"], ["b2"]]
+
+
+class _FakeChannelHandle:
+    """`handle.options(stream=True)` for `output_channel`: each call plays the next script
+    entry (a list of batches; an exception item is raised)."""
+
+    def __init__(self, script: list[list]):
+        self.script, self.calls = script, []
+        self.output_channel = self
+
+    def remote(self, router_id: str, replica_id: str | None = None):
+        self.calls.append(replica_id)
+        batches = self.script.pop(0) if self.script else []
+
+        async def gen():
+            for b in batches:
+                await asyncio.sleep(0)
+                if isinstance(b, BaseException):
+                    raise b
+                yield encode(b)
+        return gen()
+
+
+def _channels(script):
+    handle, seen, errors = _FakeChannelHandle(script), [], []
+    chans = ReplicaChannels(handle, lambda rep, items: seen.append((rep, items)),
+                            lambda rep, ids, e: errors.append((rep, ids, e)))
+    return handle, chans, seen, errors
+
+
+def test_channel_reopens_while_requests_remain_and_stops_when_none():
+    async def run():
+        handle, chans, seen, errors = _channels([[["x"]], [["y"]]])
+        chans.on_batch = lambda rep, items: (seen.append(items), items == ["y"] and chans.detach(rep, "r1"))
+        chans.attach("A", "r1")
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not chans._tasks:
+                break
+        return handle.calls, seen, errors, chans
+
+    calls, seen, errors, chans = asyncio.run(run())
+    assert calls == ["A", "A"] and seen == [["x"], ["y"]] and not errors
+    assert not chans._tasks and not chans.active
+
+
+def test_channel_fails_requests_when_replica_lost_them_or_died():
+    async def run(script):
+        handle, chans, seen, errors = _channels(script)
+        chans.attach("A", "r1")
+        chans.attach("A", "r2")
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if errors:
+                break
+        return handle.calls, errors, chans
+
+    calls, errors, chans = asyncio.run(run([[], []]))  # twice nothing: the replica lost them
+    assert calls == ["A", "A"] and errors[0][0] == "A" and sorted(errors[0][1]) == ["r1", "r2"]
+    assert isinstance(errors[0][2], LostRequestsError) and not chans.active
+    calls, errors, _ = asyncio.run(run([[["x"], RuntimeError("replica died")]]))
+    assert calls == ["A"] and str(errors[0][2]) == "replica died"
+
+
+def test_local_load_counts_routed_requests():
+    load = LocalLoad()
+    load.routed("a", "R1")
+    load.routed("b", "R1")
+    load.routed("c", "R2")
+    load.done("a")
+    assert load.get("R1") == 1 and load.get("R2") == 1 and load.get("R3") is None
+    load.done("d")  # ended before Serve reported its routing: never counted
+    load.routed("d", "R1")
+    assert load.get("R1") == 1
+
+
+# --- a real engine replica, driven without Serve -------------------------------------------
+
+@pytest.fixture(scope="module")
+def replica():
+    from router.engine_replica import EngineReplica
+
+    rep = EngineReplica.func_or_class(dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1), 8)
+    yield rep
+    rep.engine.shutdown()
+
+
+def _params(n_tokens: int):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True)
+
+
+async def _idle(rep, timeout: float = 10.0) -> dict:
+    for _ in range(int(timeout / 0.05)):
+        s = await rep.stats()
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["blocks_used"] == 0:
+            return s
+        await asyncio.sleep(0.05)
+    return await rep.stats()
+
+
+@pytest.mark.slow
+def test_replica_channel_carries_every_request_and_ends(replica):
+    ids = replica.engine.tokenizer("Tell me about the sea.").input_ids
+
+    async def run():
+        for i in range(3):
+            assert await replica.submit(f"ch-{i}", ids, _params(8), "router-a") == "local"
+        return [decode(p) async for p in replica.output_channel("router-a")]  # ends by itself
+
+    msgs = asyncio.run(run())
+    tokens: dict[str, int] = {}
+    for m in msgs:
+        for out in m:
+            tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
+    assert tokens == {"ch-0": 8, "ch-1": 8, "ch-2": 8}
+    assert max(len({o.request_id for o in m}) for m in msgs) == 3  # one message per step, all requests
+    assert len(msgs) < 24
+    assert not replica._outboxes and not replica._jobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["finish", "abort"])
+def test_replica_finish_and_abort_end_the_request(replica, how):
+    ids = replica.engine.tokenizer("Write a long story about the sea.").input_ids
+
+    async def run():
+        before = dict(replica.finished)
+        steps = replica.engine.step_count
+        await replica.submit(f"long-{how}", ids, _params(500), "router-b")
+        n = 0
+        async for payload in replica.output_channel("router-b"):
+            n += sum(len(o.new_token_ids) for o in decode(payload))
+            if n >= 3 and f"long-{how}" in replica._jobs:
+                await (replica.finish([f"long-{how}"]) if how == "finish" else replica.abort(f"long-{how}"))
+        s = await _idle(replica)
+        return before, steps, s
+
+    before, steps, s = asyncio.run(run())
+    assert s["blocks_used"] == 0 and s["num_running"] == 0, s
+    reason = "stop" if how == "finish" else "abort"
+    assert replica.finished.get(reason, 0) == before.get(reason, 0) + 1
+    assert replica.engine.step_count - steps < 60  # far from the 500 tokens asked for
+    assert not replica._outboxes and not replica._jobs
