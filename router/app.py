@@ -21,6 +21,7 @@ from router.autoscaling_config import autoscaled
 from router.config import AppConfig
 from router.engine_replica import EngineReplica
 from router.ingress import Router
+from router.serve_tuning import single_loop
 
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -71,11 +72,12 @@ def build_app(cfg: AppConfig | dict | None = None):
     elif isinstance(cfg, dict):
         cfg = AppConfig(**cfg)
     cfg, engine_options = autoscaled(cfg, engine_deployment_options(cfg))  # no-op without cfg.autoscaling
+    engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
     engine = EngineReplica.options(**engine_options).bind(
         cfg.engine_args(), cfg.max_queued_requests_per_replica)
     router = Router.options(
         num_replicas=cfg.router_replicas,
-        ray_actor_options={"num_cpus": cfg.router_cpus},
+        ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
         max_ongoing_requests=max(1000, 4 * cfg.max_queued_requests),
         graceful_shutdown_timeout_s=5.0,
     )
