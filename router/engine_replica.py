@@ -40,11 +40,11 @@ log = logging.getLogger(__name__)
 class _Job:
     """One request running here: its router's outbox, its pump task, times for the metrics."""
 
-    __slots__ = ("request_id", "children", "box", "task", "arrival_wall", "arrival_mono", "first_token",
-                 "last_token", "children_done", "stopped")
+    __slots__ = ("request_id", "children", "router_id", "box", "task", "arrival_wall", "arrival_mono",
+                 "first_token", "last_token", "children_done", "stopped")
 
-    def __init__(self, request_id: str, n: int, arrival_wall: float, box: Outbox):
-        self.request_id, self.box, self.task = request_id, box, None
+    def __init__(self, request_id: str, n: int, arrival_wall: float, router_id: str, box: Outbox):
+        self.request_id, self.router_id, self.box, self.task = request_id, router_id, box, None
         self.children = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.arrival_wall, self.arrival_mono = arrival_wall, time.monotonic()
         self.first_token: float | None = None
@@ -87,7 +87,7 @@ class EngineReplica:
         box = self._outboxes.get(router_id)
         if box is None:
             box = self._outboxes[router_id] = Outbox()
-        job = _Job(request_id, params.n, arrival_wall or time.time(), box)
+        job = _Job(request_id, params.n, arrival_wall or time.time(), router_id, box)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         self._jobs[request_id] = job
         box.active.add(request_id)
@@ -144,6 +144,8 @@ class EngineReplica:
             if completed and job.first_token is not None:
                 self.hist["e2e_request_latency_seconds"].observe(time.time() - job.arrival_wall)
             job.box.request_done(job.request_id)
+            if job.box.idle and self._outboxes.get(job.router_id) is job.box:
+                del self._outboxes[job.router_id]  # also when its router never opened a channel
 
     def _observe(self, job: "_Job", out) -> None:
         rid, now = out.request_id, time.time()
