@@ -86,7 +86,7 @@ class EngineReplica:
         self.queue.admit(request_id)  # raises OverloadedError -> 429 at the router
         box = self._outboxes.get(router_id)
         if box is None:
-            box = self._outboxes[router_id] = Outbox()
+            box = self._outboxes[router_id] = Outbox(self._step_handed_over)
         job = _Job(request_id, params.n, arrival_wall or time.time(), router_id, box)
         self.counters["prompt_tokens"] += len(prompt_token_ids)
         self._jobs[request_id] = job
@@ -109,6 +109,14 @@ class EngineReplica:
         finally:
             if box.idle and self._outboxes.get(router_id) is box:
                 del self._outboxes[router_id]
+
+    def _step_handed_over(self) -> None:
+        """Returns once the engine thread has handed its current step's outputs to this loop:
+        it does so holding the AsyncEngine's lock (blocks the loop for microseconds)."""
+        lock = getattr(self.engine, "_lock", None)
+        if lock is not None:
+            with lock:
+                pass
 
     async def _pump(self, job: "_Job", stream, batch_interval_s: float) -> None:
         """Moves one request's outputs from the engine to its router's outbox."""

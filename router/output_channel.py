@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from typing import Callable
 
-# Loop turns to wait after a wake-up: an output scheduled by the engine thread needs one turn
-# for its callback and one for its pump task; a few more cover outputs still being scheduled.
+# Loop turns after a step is handed over: an output scheduled by the engine thread needs one
+# turn for its callback and one for its pump task.
 COALESCE_TURNS = 3
 
 
@@ -36,12 +37,14 @@ def decode(payload: bytes) -> list:
 class Outbox:
     """Outputs of one router's requests on this replica, waiting for that router's channel."""
 
-    __slots__ = ("items", "active", "_event")
+    __slots__ = ("items", "active", "_event", "_handed_over")
 
-    def __init__(self):
+    def __init__(self, handed_over: Callable[[], None] | None = None):
         self.items: list = []
         self.active: set[str] = set()  # request ids still running here for this router
         self._event = asyncio.Event()
+        # Returns once the engine thread has handed the current step's outputs to the loop.
+        self._handed_over = handed_over
 
     def put(self, item) -> None:
         self.items.append(item)
@@ -65,13 +68,16 @@ class Outbox:
 
         The engine thread hands a step's outputs to the loop one by one (each wakes one
         request's pump task), and the loop may wake between them: after the first output of
-        a step, give the loop a few turns so the rest of the step joins the same message."""
+        a step, wait until the engine thread is done handing that step over, then give the
+        loop a few turns so every pump has put its output."""
         while True:
             if not self.items:
                 if not self.active:
                     return
                 self._event.clear()
                 await self._event.wait()
+                if self._handed_over is not None:
+                    self._handed_over()
                 for _ in range(COALESCE_TURNS):
                     await asyncio.sleep(0)
                 continue

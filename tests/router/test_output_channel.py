@@ -155,8 +155,9 @@ def test_replica_channel_carries_every_request_and_ends(replica):
         for out in m:
             tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
     assert tokens == {"ch-0": 8, "ch-1": 8, "ch-2": 8}
-    assert max(len({o.request_id for o in m}) for m in msgs) == 3  # one message per step, all requests
-    assert len(msgs) < 24
+    # One message per engine step for all three (the loop may still split a step under load):
+    shared = [m for m in msgs if len({o.request_id for o in m}) > 1]
+    assert len(shared) >= len(msgs) - 2 and len(msgs) <= 10, [[o.request_id for o in m] for m in msgs]
     assert not replica._outboxes and not replica._jobs
 
 
