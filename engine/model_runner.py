@@ -12,6 +12,7 @@ from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import get_tp_group
 from engine.forward_context import forward_context
+from engine.kv_memory import allocate_kv_caches
 from engine.layers.sampler import Sampler, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
@@ -35,6 +36,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_buffer = None  # owns the CPU cache's memory
 
     def load_model(self) -> None:
         self.model = load_model(self.mc.model_dir, self.mc.hf_config, self.mc.dtype, self.device, self.mc.max_model_len)
@@ -55,7 +57,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         shape = (2, self.num_kv_heads_local, num_blocks, self.cc.block_size, self.mc.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.mc.dtype, device=self.device) for _ in range(self.mc.num_layers)]
+        self.kv_caches, self._kv_buffer = allocate_kv_caches(self.mc.num_layers, shape, self.mc.dtype, self.device)
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
 
