@@ -163,7 +163,7 @@ def start_http(a) -> str:
 
 
 def channel_batching() -> dict:
-    """Generated tokens and output-channel messages over the whole run, all engine replicas."""
+    """Generated tokens and output-channel messages so far, all engine replicas."""
     from ray import serve
 
     stats = serve.get_app_handle("bench").replica_stats.remote().result()
@@ -252,6 +252,7 @@ def main(argv=None) -> int:
         offline.run(warm)
         asyncio.run(http_pass(url, warm, a.concurrency, a.stream))
         off_passes, http_passes = [], []
+        channel_before = channel_batching()
         for r in range(a.rounds):
             off_passes.append(offline.run(work))
             http_passes.append(cpu_timed(lambda: asyncio.run(http_pass(url, work, a.concurrency, a.stream)),
@@ -260,10 +261,10 @@ def main(argv=None) -> int:
             print(f"round {r}: offline {o['tok_s']:.1f} tok/s ({o['wall_s']:.1f} s, {o['cpu_s']:.1f} CPU-s), "
                   f"http {h['tok_s']:.1f} tok/s ({h['wall_s']:.1f} s, {h['cpu_s']:.1f} CPU-s of the server), "
                   f"ratio {h['tok_s'] / o['tok_s']:.1%}; server CPU-s by process {h['cpu_by_process']}", flush=True)
+        channel = {k: v - channel_before[k] for k, v in channel_batching().items()}
         prompt = work[0][0]
         off_single = min(offline.single(prompt, a.single_tokens) for _ in range(3))
         http_single_s = min(asyncio.run(http_single(url, prompt, a.single_tokens)) for _ in range(3))
-        channel = channel_batching()
     finally:
         offline.close()
         stop_http()
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
     print(f"single stream: {http_single_s * 1e3:.2f} ms/token over HTTP vs {off_single * 1e3:.2f} ms/token "
           f"offline -> router overhead {overhead_ms:.2f} ms/token")
     print(f"output channel: {channel['tokens'] / max(channel['messages'], 1):.1f} tokens per message "
-          f"({channel['messages']} messages, the whole run)")
+          f"({channel['messages']} messages in the HTTP passes)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "offline": off_passes, "http": http_passes, "ratio": ratio, "cpu_ratio": cpu_ratio,
