@@ -1,5 +1,6 @@
-"""Tensor-parallel benchmark: per-step overhead of the Ray executor against in-process, and
-tokens/s at several tensor-parallel degrees, on the same batch.
+"""Tensor-parallel benchmark: per-step overhead of the Ray executor (rank 0 in the driver,
+ranks 1.. as Ray actors) against in-process, and tokens/s at several tensor-parallel degrees,
+on the same batch.
 
     python -m workers.bench_tp                          # SmolLM2-135M-shaped random Llama, tp 1/2/3
     python -m workers.bench_tp --model default --tp 3   # the embedded SmolLM2 itself (9 heads: tp 1 or 3)
@@ -9,7 +10,10 @@ a random Llama of the same size (hidden 576, 30 layers, vocab 49152) with 12 hea
 6 KV heads, which splits over 1, 2 and 3 ranks. It is built with transformers, never downloaded.
 
 Overhead = time the driver spends in `executor.execute_model` minus the time rank 0 spends
-in its model runner, per decode step; "empty" is a round trip with nothing scheduled.
+in its model runner (timed in the driver, where rank 0 now runs), per decode step: submitting
+the step to the remote ranks and reaping their finished calls. Waiting on a remote rank inside
+a collective counts as rank 0's model time, so compare "step ms" and tok/s across tp too.
+"empty" is a call with nothing scheduled (no collective: the submit and reap alone).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def smollm_shaped_llama(path) -> str:
     return str(path)
 
 
-def _build(model, dtype, tp, transport, threads, budget):
+def _build(model, dtype, tp, threads, budget):
     from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
     from engine.core.engine_core import EngineCore
     from engine.executor import InProcessExecutor
@@ -41,18 +45,19 @@ def _build(model, dtype, tp, transport, threads, budget):
 
     mc = build_model_config(model, dtype, torch.device("cpu"))
     cc = CacheConfig(16, True, 256 << 20)
-    if transport == "in-process":
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # rank 0 (or the in-process runner) uses the driver's threads
+    if tp == 1:
         ex = InProcessExecutor(mc, cc)
     else:
         from workers.ray_executor import RayExecutor
 
-        ex = RayExecutor(mc, cc, ParallelConfig(tp), transport=transport, num_cpus_per_worker=threads)
+        ex = RayExecutor(mc, cc, ParallelConfig(tp), num_cpus_per_worker=threads)
     return mc, EngineCore(SchedulerConfig(256, budget, mc.max_model_len), cc, ex)
 
 
 class _Timed:
-    """Wraps execute_model to time the driver side; in-process also times the model runner."""
+    """Wraps execute_model to time the driver side; in-process also times the model runner
+    (the Ray executor's rank 0 times its own, `DriverRank.model_s`)."""
 
     def __init__(self, ex):
         self.ex, self.exec_s, self.model_s = ex, 0.0, 0.0
@@ -79,17 +84,25 @@ class _Timed:
 
     def reset(self):
         self.exec_s = self.model_s = 0.0
-        if hasattr(self.ex, "workers"):
-            import ray
+        if getattr(self.ex, "rank0", None) is not None:
+            self.ex.rank0.model_s = 0.0
+            self._remote_stats(reset=True)
 
-            ray.get(self.ex.workers[0].step_stats.remote(reset=True))
+    def _remote_stats(self, reset=False):
+        import ray
+
+        return ray.get([w.step_stats.options(concurrency_group="control").remote(reset) for w in self.ex.workers])
+
+    def start_lag_s(self):
+        """Mean over remote ranks and steps of submit -> the rank starting the step (None at tp=1)."""
+        if getattr(self.ex, "rank0", None) is None:
+            return None
+        stats = self._remote_stats()
+        return sum(lag / max(1, n) for n, lag in stats) / len(stats)
 
     def rank0_model_s(self):
-        if hasattr(self.ex, "workers"):
-            import ray
-
-            return ray.get(self.ex.workers[0].step_stats.remote())[1]
-        return self.model_s
+        rank0 = getattr(self.ex, "rank0", None)
+        return rank0.model_s if rank0 is not None else self.model_s
 
 
 def _requests(mc, batch, prompt_len, new_tokens, tag):
@@ -106,8 +119,8 @@ def _requests(mc, batch, prompt_len, new_tokens, tag):
     return reqs
 
 
-def bench_config(args, tp, transport, threads):
-    mc, core = _build(args.model, args.dtype, tp, transport, threads, max(args.batch * args.prompt_len, 64))
+def bench_config(args, tp, threads):
+    mc, core = _build(args.model, args.dtype, tp, threads, max(args.batch * args.prompt_len, 64))
     timer = _Timed(core.executor)
     try:
         # Per-step overhead: prefill once, warm up, then time decode steps of the same batch.
@@ -130,6 +143,8 @@ def bench_config(args, tp, transport, threads):
         step_ms = (time.perf_counter() - t) / args.steps * 1e3
         exec_ms = timer.exec_s / args.steps * 1e3
         model_ms = timer.rank0_model_s() / args.steps * 1e3
+        lag = timer.start_lag_s()
+        lag_ms = None if lag is None else lag * 1e3
         while core.has_unfinished_requests():
             core.step()
         # Throughput: a fresh batch from prompt to last token (prefill included).
@@ -141,8 +156,8 @@ def bench_config(args, tp, transport, threads):
         tok_s = produced / (time.perf_counter() - t)
     finally:
         core.shutdown()
-    return dict(tp=tp, transport=transport, threads=threads, step_ms=step_ms, exec_ms=exec_ms, model_ms=model_ms,
-                overhead_ms=exec_ms - model_ms, empty_ms=empty_ms, tok_s=tok_s)
+    return dict(tp=tp, executor="in-process" if tp == 1 else "ray (rank 0 local)", threads=threads, step_ms=step_ms, exec_ms=exec_ms, model_ms=model_ms,
+                overhead_ms=exec_ms - model_ms, lag_ms=lag_ms, empty_ms=empty_ms, tok_s=tok_s)
 
 
 def main(argv=None):
@@ -150,8 +165,7 @@ def main(argv=None):
     ap.add_argument("--model", default=None,
                     help="local HF dir or .gguf, 'default' for the embedded SmolLM2 (default: SmolLM2-shaped random Llama)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tp", default="1,2,3", help="tensor-parallel degrees for the Ray executor")
-    ap.add_argument("--transports", default="compiled_graph,actor_calls")
+    ap.add_argument("--tp", default="1,2,3", help="tensor-parallel degrees (1 = in-process, no Ray)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps")
@@ -172,24 +186,23 @@ def main(argv=None):
         label = "SmolLM2-135M" if args.model == "default" else args.model
         args.model = None if args.model == "default" else args.model
     ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
-    rows = [bench_config(args, 1, "in-process", args.threads)]
-    for tp in [int(x) for x in args.tp.split(",")]:
-        for transport in args.transports.split(","):
-            rows.append(bench_config(args, tp, transport, args.threads))
+    rows = [bench_config(args, int(tp), args.threads) for tp in args.tp.split(",")]
     ray.shutdown()
     if tmp is not None:
         tmp.cleanup()
 
     print(f"\nmodel={label} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "
           f"decode steps={args.steps} new tokens={args.new_tokens} threads/rank={args.threads} cpus={os.cpu_count()}")
-    hdr = f"{'tp':>3} {'executor':<15} {'step ms':>8} {'exec ms':>8} {'model ms':>9} {'overhead ms':>12} {'empty ms':>9} {'tok/s':>7}"
+    hdr = f"{'tp':>3} {'executor':<19} {'step ms':>8} {'exec ms':>8} {'model ms':>9} {'overhead ms':>12} {'lag ms':>7} {'empty ms':>9} {'tok/s':>7}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        print(f"{r['tp']:>3} {r['transport']:<15} {r['step_ms']:8.2f} {r['exec_ms']:8.2f} {r['model_ms']:9.2f} "
-              f"{r['overhead_ms']:12.2f} {r['empty_ms']:9.3f} {r['tok_s']:7.1f}")
+        print(f"{r['tp']:>3} {r['executor']:<19} {r['step_ms']:8.2f} {r['exec_ms']:8.2f} {r['model_ms']:9.2f} "
+              f"{r['overhead_ms']:12.2f} {'-' if r['lag_ms'] is None else format(r['lag_ms'], '.2f'):>7} "
+              f"{r['empty_ms']:9.3f} {r['tok_s']:7.1f}")
     print("step = whole engine step; exec = driver time in execute_model; model = rank 0 in its model runner;\n"
-          "overhead = exec - model (transport, (de)serialisation, waiting on other ranks' skew); empty = round trip "
-          "with nothing scheduled.")
+          "overhead = exec - model (submitting to the remote ranks, reaping their finished calls); lag = submit ->\n"
+          "a remote rank starting the step (rank 0 waits for it in its first collective: inside 'model'); empty = "
+          "execute_model with nothing scheduled.")
     return rows
 
 

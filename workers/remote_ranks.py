@@ -2,14 +2,16 @@
 
 Calls from one caller to a sequential actor run in submission order, so the driver can fire
 step k and go straight to running rank 0 itself; the ranks meet in the step's collectives.
-The driver never waits for these calls on the happy path: after each step it only reaps the
-calls that have already finished (`ray.wait(timeout=0)`), which releases their refs and
-raises a failed rank's error. A rank that fails or dies mid-step also breaks rank 0's
+The driver never waits for these calls on the happy path: every few steps it reaps the calls
+that have already finished (one `ray.wait(timeout=0)` over them), which releases their refs and
+raises a failed rank's error. The step is pickled once for all ranks (plain bytes are Ray's
+cheapest argument). A rank that fails or dies mid-step also breaks rank 0's
 collective (its connection closes), so rank 0's step raises and the executor asks `failures`
 who it was.
 """
 from __future__ import annotations
 
+import pickle
 import time
 from collections import deque
 
@@ -17,27 +19,36 @@ import ray
 
 
 class RemoteRanks:
-    def __init__(self, actors: list, max_pending: int = 4):
+    def __init__(self, actors: list, reap_every: int = 4, max_pending: int = 16):
         self.actors = actors  # actors[i] is rank i + 1
-        self.max_pending = max_pending
+        self.reap_every, self.max_pending = reap_every, max_pending
         self._pending: deque[list] = deque()  # one list of refs per submitted step, oldest first
 
     def submit(self, inp) -> None:
-        self._pending.append([a.execute.remote(inp) for a in self.actors])
+        inp.sent_at = time.perf_counter()
+        payload = pickle.dumps(inp, protocol=pickle.HIGHEST_PROTOCOL)
+        self._pending.append([a.execute.remote(payload) for a in self.actors])
 
     def reap(self, backlog_timeout_s: float) -> None:
-        """Release finished steps (raising a failed rank's error); block only when the ranks
-        fall more than `max_pending` steps behind (steps with no collective, e.g. empty ones)."""
-        while self._pending:
-            refs = self._pending[0]
-            wait_s = backlog_timeout_s if len(self._pending) > self.max_pending else 0
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-            if len(done) < len(refs):
-                if wait_s:
-                    raise TimeoutError(f"remote ranks are {len(self._pending)} steps behind after {wait_s:.0f}s")
-                return
-            ray.get(refs)
+        """Every `reap_every` steps, release the finished earlier steps (raising a failed rank's
+        error). Blocks only when the ranks fall `max_pending` steps behind (they can only on
+        steps with no collective, e.g. empty ones)."""
+        if len(self._pending) <= self.reap_every:
+            return
+        older = [ref for step in list(self._pending)[:-1] for ref in step]
+        done = set(ray.wait(older, num_returns=len(older), timeout=0)[0])
+        n = 0
+        while n < len(self._pending) and all(r in done for r in self._pending[n]):
+            n += 1
+        ray.get([r for k in range(n) for r in self._pending[k]])  # a failed rank's error: refs kept for `failures`
+        for _ in range(n):
             self._pending.popleft()
+        if len(self._pending) > self.max_pending:
+            oldest = self._pending[0]
+            ready, _ = ray.wait(oldest, num_returns=len(oldest), timeout=backlog_timeout_s)
+            if len(ready) < len(oldest):
+                raise TimeoutError(f"remote ranks are {len(self._pending)} steps behind after {backlog_timeout_s:.0f}s")
+            ray.get(self._pending.popleft())
 
     def failures(self, wait_s: float) -> tuple[list[int], dict[int, BaseException]]:
         """After a step failed: (ranks whose actor is gone, {rank: error it raised}). Waits up to

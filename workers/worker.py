@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +24,9 @@ class StepInput:
     so: SchedulerOutput
     # request id -> token ids rank 0 sampled in the previous step (applied by ranks != 0).
     prev_sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Driver's time.perf_counter() at submit (CLOCK_MONOTONIC: same clock on the node), so a
+    # rank can measure how late it starts the step: rank 0 waits that long in the first collective.
+    sent_at: float = 0.0
 
 
 def sampled_delta(out: ModelRunnerOutput | None) -> dict[str, list[int]]:
@@ -46,6 +50,7 @@ class TPWorker:
         self._broken: str | None = None
         self._fail_next = False
         self._rendezvous: tuple[str, int] | None = None
+        self._steps, self._lag_s = 0, 0.0  # steps run, and their summed start lag (benchmarks)
 
     # ---- set-up, called once in this order ----
     def join(self, addr: str, port: int) -> None:
@@ -69,7 +74,8 @@ class TPWorker:
         return self.runner.bytes_per_block()
 
     # ---- per step ----
-    def execute(self, inp: StepInput) -> None:
+    def execute(self, payload: bytes) -> None:
+        """One step: `payload` is a pickled StepInput (pickled once by the driver for all ranks)."""
         if self._broken:
             raise RuntimeError(f"tensor-parallel rank {self.rank} is unusable after an earlier error: {self._broken}")
         if torch.get_num_threads() != self.num_threads:  # in case Ray runs us on another thread
@@ -78,6 +84,9 @@ class TPWorker:
             if self._fail_next:
                 self._fail_next = False
                 raise RuntimeError("injected fault")
+            inp: StepInput = pickle.loads(payload)
+            self._steps += 1
+            self._lag_s += time.perf_counter() - inp.sent_at
             states = self.runner.states
             for rid, toks in inp.prev_sampled.items():
                 st = states.get(rid)
@@ -116,6 +125,13 @@ class TPWorker:
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
                 "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self._rendezvous,
                 **runner_info(self.runner, self.device)}
+
+    def step_stats(self, reset: bool = False) -> tuple[int, float]:
+        """(steps, summed seconds from the driver's submit to this rank starting the step)."""
+        stats = (self._steps, self._lag_s)
+        if reset:
+            self._steps, self._lag_s = 0, 0.0
+        return stats
 
     def fail_next_step(self) -> None:
         """Test hook: the next `execute` raises as if the model had failed on this rank."""
