@@ -9,6 +9,7 @@ drain on scale-down waits for open calls).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import uuid
 from typing import Callable
@@ -34,7 +35,10 @@ class ReplicaChannels:
     def attach(self, replica: str, request_id: str) -> None:
         self.active.setdefault(replica, set()).add(request_id)
         if replica not in self._tasks:
-            self._tasks[replica] = asyncio.get_running_loop().create_task(self._run(replica))
+            # A fresh context: Serve cancels the calls a request made when that request is
+            # cancelled (client gone); the channel serves every request, not the one opening it.
+            self._tasks[replica] = asyncio.get_running_loop().create_task(
+                self._run(replica), context=contextvars.Context())
 
     def detach(self, replica: str, request_id: str) -> None:
         ids = self.active.get(replica)
@@ -52,9 +56,14 @@ class ReplicaChannels:
             while replica in self.active:
                 gen = self.stream_handle.output_channel.remote(self.router_id, replica_id=replica)
                 got = False
-                async for payload in gen:
-                    got = True
-                    self.on_batch(replica, decode(payload))
+                try:
+                    async for payload in gen:
+                        got = True
+                        self.on_batch(replica, decode(payload))
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise  # close(): this router is going away
+                    # The call was cancelled on its own (not by us): open it again.
                 empty = 0 if got else empty + 1
                 if empty and replica in self.active:
                     # The replica has nothing for requests we still wait for: it lost them

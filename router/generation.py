@@ -15,6 +15,7 @@ replica, which ends the request before its next step.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -71,8 +72,10 @@ class EngineClient:
             added = True
             # Registered before submitting: the channel may bring outputs before the reply.
             outputs = self._waiting[request_id] = asyncio.Queue()
-            submit = asyncio.ensure_future(self.handle.submit.remote(
-                request_id, prompt_ids, params, self.channels.router_id,
+            # Outside the caller's Serve request context, as every call below: Serve cancels a
+            # request's calls when it is cancelled, and then `abort` must still get through.
+            submit = asyncio.ensure_future(contextvars.Context().run(
+                self.handle.submit.remote, request_id, prompt_ids, params, self.channels.router_id,
                 arrival_wall=arrival_wall or time.time(), priority=priority,
                 batch_interval_s=0.0 if stream else self.nonstream_batch_interval_s))
             replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
@@ -151,6 +154,6 @@ class EngineClient:
         await self._control("abort", request_id, replica)
 
     def _spawn(self, coro) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._background.add(task)
         task.add_done_callback(self._background.discard)

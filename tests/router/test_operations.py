@@ -3,6 +3,7 @@ overload gets 429 + Retry-After while accepted requests finish, API key, timeout
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -137,3 +138,65 @@ def test_two_replicas_share_load(serve_cluster, base_url):
     assert asyncio.run(burst()) == [200] * 8
     counts = serve_cluster["handle"].routed_counts.remote().result()
     assert len(counts) == 2 and all(v >= 2 for v in counts.values()), counts
+
+
+def test_pinned_calls_reach_their_replica_under_concurrency(serve_cluster):
+    """A call pinned with `replica_id` must run on that replica even when many pinned calls wait
+    at once (stop-string `finish`, `abort` and output channels rely on it)."""
+    from ray import serve
+
+    engine = serve.get_deployment_handle("EngineReplica", app_name="main")
+    ids = sorted({engine.stats.remote().result()["replica_id"] for _ in range(30)})
+    assert len(ids) == 2, ids
+
+    async def burst():
+        targets = [ids[i % 2] for i in range(60)]
+        got = await asyncio.gather(*(engine.stats.remote(replica_id=t) for t in targets))
+        return [(t, g["replica_id"]) for t, g in zip(targets, got)]
+    pairs = asyncio.run(burst())
+    assert all(t == g for t, g in pairs), [p for p in pairs if p[0] != p[1]]
+
+
+def test_disconnects_leave_other_streams_alone(base_url):
+    """Clients that open the first streams on each replica (their requests open the router's
+    output channels) go away while others stream: the others finish in full, and every
+    request that left is aborted at once (Serve cancels a cancelled request's calls: the
+    channel and `abort` must not be among them)."""
+    before = metrics(base_url)
+    body = {"max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            started = [asyncio.Event() for _ in range(6)]
+            go = asyncio.Event()
+
+            async def client(i: int, leave: bool):
+                tokens = 0
+                async with c.stream("POST", f"{base_url}/v1/completions",
+                                    json={**body, "prompt": f"Tell a story, number {i}:"}) as s:
+                    async for line in s.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        started[i].set()
+                        if leave:
+                            await go.wait()
+                            return None
+                        usage = json.loads(line[6:]).get("usage")
+                        tokens = usage["completion_tokens"] if usage else tokens
+                return tokens
+
+            leavers = [asyncio.create_task(client(i, True)) for i in range(2)]
+            await asyncio.wait_for(asyncio.gather(*(started[i].wait() for i in range(2))), 30)
+            stayers = [asyncio.create_task(client(i, False)) for i in range(2, 6)]
+            await asyncio.wait_for(asyncio.gather(*(started[i].wait() for i in range(2, 6))), 30)
+            go.set()
+            await asyncio.gather(*leavers)
+            return await asyncio.gather(*stayers)
+
+    assert asyncio.run(run()) == [40] * 4
+    after = _wait(lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
+                  and m["orbital:kv_cache_usage_perc"] == 0.0 and m, timeout=10)
+    assert after, metrics(base_url)
+    assert after["orbital:request_success_total{finished_reason=abort}"] == \
+        before["orbital:request_success_total{finished_reason=abort}"] + 2
