@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.attention.cpu_kernel import load_paged_decode
+from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.attention.metadata import AttentionMetadata
 from engine.layers.attention.reference import ReferenceAttentionBackend
 
 
 def kernel_available() -> bool:
-    return load_paged_decode() is not None
+    return load_cpu_ops() is not None
 
 
 class CpuPagedAttentionBackend(ReferenceAttentionBackend):
@@ -17,7 +17,7 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
     uses_decode_buckets = False
 
     def __init__(self):
-        self.kernel = load_paged_decode()
+        self.kernel = load_cpu_ops()
 
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         nd = meta.num_decode_tokens

@@ -147,19 +147,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   });
   return out;
 }
-
-// Which vector path this build has (benchmarks and tests report it).
-static std::string isa() {
-#if defined(__AVX512BF16__)
-  return "avx512_bf16";
-#elif defined(__AVX512F__)
-  return "avx512";
-#else
-  return "generic";
-#endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("isa", &isa, "vector path compiled in");
-}

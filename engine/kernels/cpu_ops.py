@@ -1,0 +1,55 @@
+"""Build (once per source version, cached) and load the C++ CPU ops; None when they cannot be built.
+
+The module (sources in engine/kernels/cpu/) holds the paged decode attention kernel, which
+reads K/V straight from the paged cache, and fused elementwise ops (RMSNorm with residual,
+rotary, SiLU-and-mul). It is optional: any build failure falls back to the pure-PyTorch path,
+and tests compare the two. ORBITAL_DISABLE_CPU_KERNEL=1 turns it off.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+_MODULE = None
+_TRIED = False
+_SRC = Path(__file__).with_name("cpu")
+
+
+def load_cpu_ops():
+    global _MODULE, _TRIED
+    with _LOCK:
+        if _TRIED:
+            return _MODULE
+        _TRIED = True
+        if os.environ.get("ORBITAL_DISABLE_CPU_KERNEL") == "1":
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            from engine.model.gguf_convert import cache_root
+
+            files = sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h"))
+            # Named by the sources' hash: an edited kernel never reuses a stale build, and builds of
+            # different versions never collide.
+            digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:12]
+            build = cache_root() / "torch_extensions" / f"cpu_ops-{digest}"
+            build.mkdir(parents=True, exist_ok=True)
+            _MODULE = load(name="orbital_cpu_ops", sources=[str(p) for p in files if p.suffix == ".cpp"],
+                           build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the PyTorch path
+            log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
+            _MODULE = None
+        return _MODULE
+
+
+def cpu_ops_for(t) -> object | None:
+    """The ops module when `t` can use it (a CPU tensor of a float dtype), else None."""
+    if t.device.type != "cpu":
+        return None
+    return load_cpu_ops()
