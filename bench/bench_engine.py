@@ -5,6 +5,12 @@ per request), in one run. Prints useful output tokens/s of each, the ratio, the 
 waste and the share of this machine's matmul roof the engine reached.
 
     python -m bench.bench_engine --requests 64 --dtypes float32 bfloat16
+    python -m bench.bench_engine --requests 256 --hf-requests 48   # deeper queue, HF on a prefix
+
+Static batching runs each batch of 8 on its own, so its throughput does not depend on how many
+requests are queued: `--hf-requests K` runs transformers on the first K requests of the same
+seeded workload (K/8 batches) and the engine on all of them, where continuous batching gains
+from a deeper queue. Both figures are printed with their request counts.
 """
 from __future__ import annotations
 
@@ -69,8 +75,11 @@ def run_engine(llm, reqs) -> tuple[float, int, float]:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-requests", type=int, default=None,
+                    help="transformers runs the first K requests only (default: all); a multiple of 8")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-gib", type=float, default=6.0, help="KV cache budget (GiB)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="engine only (quick tuning runs)")
     args = ap.parse_args(argv)
@@ -82,7 +91,7 @@ def main(argv=None) -> None:
 
     rows = []
     for dt in args.dtypes:
-        llm = LLM(dtype=dt, kv_cache_memory_bytes=3 << 30, max_num_seqs=256, max_num_batched_tokens=2048, num_threads=args.threads)
+        llm = LLM(dtype=dt, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), max_num_seqs=256, max_num_batched_tokens=2048, num_threads=args.threads)
         reqs = mixed_workload(llm.tokenizer, args.requests, args.seed)
         model = llm.engine.core.executor.runner.model
         hc = model.config
@@ -96,14 +105,15 @@ def main(argv=None) -> None:
                    roof_gflops=roof / 1e9, engine_s=t_eng)
         if not args.skip_hf:
             hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_config.model_dir, dtype=getattr(torch, dt)).eval()
-            t_hf, useful_hf = run_hf_static(hf, llm.tokenizer, reqs)
+            t_hf, useful_hf = run_hf_static(hf, llm.tokenizer, reqs[: args.hf_requests or len(reqs)])
             row.update(hf_tok_s=useful_hf / t_hf, ratio=(useful_eng / t_eng) / (useful_hf / t_hf), hf_s=t_hf)
             del hf
         rows.append(row)
         llm.shutdown()
         print(row, flush=True)
-    print(f"\nmixed workload: {args.requests} requests, prompts 20-600, outputs 10-500 tokens, seed {args.seed}, "
-          f"{args.threads} threads")
+    hf_n = min(args.hf_requests or args.requests, args.requests)
+    print(f"\nmixed workload: engine {args.requests} requests, transformers the first {hf_n}; prompts 20-600, "
+          f"outputs 10-500 tokens, seed {args.seed}, {args.threads} threads")
     print("| dtype | HF static (b=8) tok/s | engine tok/s | ratio | KV waste | matmul roof share |")
     print("|---|---|---|---|---|---|")
     for r in rows:
