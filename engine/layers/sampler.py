@@ -28,6 +28,9 @@ class SamplerOutput:
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         md = metadata
+        if not md.needs_processing and md.max_num_logprobs is None:
+            # Plain greedy: argmax of the raw logits (a float32 copy holds the same values).
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=[None] * md.batch_size)
         # float32 always; a fresh copy because the steps below work in place.
         logits = logits.to(torch.float32, copy=True)
         # Raw logprobs come before any processing: they are what users compare to transformers.
