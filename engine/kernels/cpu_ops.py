@@ -53,3 +53,9 @@ def cpu_ops_for(t) -> object | None:
     if t.device.type != "cpu":
         return None
     return load_cpu_ops()
+
+
+if __name__ == "__main__":  # `python -m engine.kernels.cpu_ops`: build now, say which path
+    logging.basicConfig(level=logging.INFO)
+    mod = load_cpu_ops()
+    print(f"orbital CPU ops: {mod.isa() if mod is not None else 'unavailable (PyTorch fallback)'}")
