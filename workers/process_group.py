@@ -20,8 +20,11 @@ import torch.distributed as dist
 from engine.distributed import TPGroup
 
 # Bounds a collective whose peer neither answers nor closes (a frozen process): the error
-# path for a dead or failed peer is the closed connection, not this timeout.
+# path for a dead or failed peer is the closed connection, not this timeout. Ranks sit in no
+# collective between steps, so an idle engine never runs into it.
 DEFAULT_TIMEOUT_S = float(os.environ.get("ORBITAL_TP_COLLECTIVE_TIMEOUT_S", "60"))
+# Joining waits for every rank's actor to start (imports, a busy node): longer.
+RENDEZVOUS_TIMEOUT_S = 300.0
 
 
 def backend_for(device: str | torch.device) -> str:
@@ -38,7 +41,7 @@ def node_address() -> str:
         return "127.0.0.1"
 
 
-def open_rendezvous(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[str, int, object]:
+def open_rendezvous(world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> tuple[str, int, object]:
     """Rank 0: start the group's TCPStore on a free port. Returns (address, port, store)."""
     addr = node_address()
     store = dist.TCPStore(addr, 0, world_size, is_master=True, wait_for_workers=False,
@@ -51,7 +54,8 @@ def join_group(rank: int, world_size: int, addr: str, port: int, device: str | t
     """Join the group (all ranks call this at once); returns it for the caller to bind."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+        store = dist.TCPStore(addr, port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
     if backend_for(device) == "nccl":
         dev = torch.device(device)
         torch.cuda.set_device(torch.device("cuda", dev.index if dev.index is not None else 0))

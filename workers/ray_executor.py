@@ -66,6 +66,7 @@ class RayExecutor(Executor):
                 for r in range(1, tp)])
             self.rank0 = DriverRank(tp, self.placement.driver_device or self.device, torch.get_num_threads())
             t = startup_timeout_s
+            ray.get([w.ping.remote() for w in self.workers], timeout=t)  # started: the join window stays short
             addr, port = self.rank0.open_rendezvous()
             joins = [w.join.remote(addr, port) for w in self.workers]
             self.rank0.join()
