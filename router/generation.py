@@ -51,7 +51,7 @@ class EngineClient:
         self.channels = ReplicaChannels(handle.options(stream=True), self._on_batch, self._on_channel_error)
         self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or an exception)
         self._background: set[asyncio.Task] = set()
-        self.replica_counts: dict[str, int] = {}  # requests sent per replica (tests, debugging)
+        self.replica_counts: dict[str, int] = {}  # requests ended per replica (tests, debugging)
 
     def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Length / vocabulary checks the engine would do, before anything is sent."""
@@ -79,7 +79,6 @@ class EngineClient:
                 arrival_wall=arrival_wall or time.time(), priority=priority,
                 batch_interval_s=0.0 if stream else self.nonstream_batch_interval_s))
             replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
-            self.replica_counts[replica] = self.replica_counts.get(replica, 0) + 1
             self.channels.attach(replica, request_id)
             first = True
             while not done:
@@ -99,10 +98,13 @@ class EngineClient:
             if added and not done:
                 self.outputs.abort_request(request_id)
             if replica is not None:
+                # Counted when it ends (tests read "requests that ended on a replica" from it).
+                self.replica_counts[replica] = self.replica_counts.get(replica, 0) + 1
                 self.channels.detach(replica, request_id)
                 if not done:  # the caller went away: end it in the engine
                     self._spawn(self._control("abort", request_id, replica))
-            elif submit is not None and not done:
+            elif submit is not None and not (submit.done() and (submit.cancelled() or submit.exception())):
+                # Left while `submit` was in flight (or as it returned): abort where it lands.
                 self._spawn(self._abort_when_submitted(submit, request_id))
 
     # --- the output channels ----------------------------------------------------------------
