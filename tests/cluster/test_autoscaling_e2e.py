@@ -98,14 +98,31 @@ async def _short_requests(client: httpx.AsyncClient, url: str, stop: asyncio.Eve
 
 
 async def _scenario(url: str, router) -> dict:
+    """Runs the scenario; whatever fails, every client loop is stopped and cancelled (a failed
+    wait must end the test, not leave clients sending forever)."""
+    spawned: list[asyncio.Task] = []
+    events: list[asyncio.Event] = []
+    try:
+        return await _scenario_steps(url, router, spawned, events)
+    finally:
+        for e in events:
+            e.set()
+        for t in spawned:
+            t.cancel()
+        await asyncio.wait_for(asyncio.gather(*spawned, return_exceptions=True), 30.0)
+
+
+async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict:
     m: dict = {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(240.0)) as client:
         assert replica_states(APP) == {"RUNNING": 1}
         # --- burst (BURST clients, back to back) until the pool has grown -----------------------
         t0 = time.monotonic()
         load_stop, burst_results = asyncio.Event(), []
+        events.append(load_stop)
         burst = [asyncio.create_task(_load_client(client, url, i, load_stop, burst_results))
                  for i in range(BURST)]
+        spawned.extend(burst)
         t_up, states = await _wait_states(lambda s: s.get("RUNNING", 0) >= 2,
                                           UPSCALE_DELAY_S + UPSCALE_BOUND_S)
         m["scale_up_s"] = t_up - t0
@@ -114,7 +131,9 @@ async def _scenario(url: str, router) -> dict:
         # removes first) is the less loaded, so they go there -------------------------------------
         long = [asyncio.create_task(stream_completion(client, url, PROMPT, LONG_TOKENS)) for _ in range(LONG)]
         stop, shorts = asyncio.Event(), []
+        events.append(stop)
         short_task = asyncio.create_task(_short_requests(client, url, stop, shorts))
+        spawned.extend(long + [short_task])
         await asyncio.gather(*burst)
         # The queue-wait signal falls when the last waiting burst request is scheduled (its first
         # token); the burst's load is gone when its last request ends.

@@ -146,11 +146,13 @@ def test_engine_deployment_options():
 
     o = engine_deployment_options(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=2))
     assert o["placement_group_bundles"] == [{"CPU": 2.0}] * 3 and o["placement_group_strategy"] == "STRICT_PACK"
-    assert o["num_replicas"] == 2 and o["ray_actor_options"] == {"num_cpus": 0}  # the ranks are actors
+    # The replica is TP rank 0 (workers/driver_rank.py): it reserves bundle 0's resources.
+    assert o["num_replicas"] == 2 and o["ray_actor_options"] == {"num_cpus": 2.0}
     one = engine_deployment_options(AppConfig(cpus_per_worker=2))
     assert one["placement_group_bundles"] == [{"CPU": 2.0}] and one["ray_actor_options"] == {"num_cpus": 2.0}
     g = engine_deployment_options(AppConfig(device="cuda", tensor_parallel_size=2))
     assert g["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert g["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
     from router.app import required_cpus
 
     assert required_cpus(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=0.5)) == 6.0
