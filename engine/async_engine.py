@@ -102,6 +102,13 @@ class AsyncEngine:
         s["dead"] = self._dead is not None
         return s
 
+    def step_handed_over(self) -> None:
+        """Returns once the step thread is not handing a step's outputs to the streams (it hands
+        a whole step over under one lock): a caller that then drains its streams sees every
+        output of the last step at once. Blocks for microseconds at most."""
+        with self._lock:
+            pass
+
     def is_alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 

@@ -111,12 +111,9 @@ class EngineReplica:
                 del self._outboxes[router_id]
 
     def _step_handed_over(self) -> None:
-        """Returns once the engine thread has handed its current step's outputs to this loop:
-        it does so holding the AsyncEngine's lock (blocks the loop for microseconds)."""
-        lock = getattr(self.engine, "_lock", None)
-        if lock is not None:
-            with lock:
-                pass
+        """Returns once the engine thread has handed its current step's outputs to this loop
+        (blocks the loop for microseconds)."""
+        self.engine.step_handed_over()
 
     async def _pump(self, job: "_Job", stream, batch_interval_s: float) -> None:
         """Moves one request's outputs from the engine to its router's outbox."""
