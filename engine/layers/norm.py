@@ -4,8 +4,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.kernels.cpu_ops import cpu_ops_for
-
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None):
@@ -21,13 +19,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        ops = cpu_ops_for(x)
-        if ops is not None and x.dim() == 2:  # one fused pass per row (engine/kernels/cpu/fused.cpp)
-            if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            x, residual = x.contiguous(), residual.contiguous()
-            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place: both are this step's own
-            return x, residual
         if residual is None:
             return self._norm(x)
         residual = x + residual

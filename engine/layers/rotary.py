@@ -7,8 +7,6 @@ import math
 import torch
 from torch import nn
 
-from engine.kernels.cpu_ops import cpu_ops_for
-
 
 def rope_parameters(config) -> dict:
     """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)."""
@@ -61,12 +59,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        ops = cpu_ops_for(q)
-        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
-            # In place on the rows (views into the fused qkv output): one pass, no temporaries.
-            t = q.shape[0]
-            ops.rotary_inplace(q.view(t, -1), k.view(t, -1), positions, self.cos, self.sin, self.head_dim)
-            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         q = q * cos + self._rotate_half(q) * sin

@@ -1,4 +1,4 @@
-"""CPU backend: decode rows through the C++ paged kernel, prefill chunks as the reference."""
+"""CPU backend: cache writes and decode rows through the C++ ops, prefill chunks as the reference."""
 from __future__ import annotations
 
 import torch
@@ -18,6 +18,12 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
 
     def __init__(self):
         self.kernel = load_cpu_ops()
+
+    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+        if kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype:
+            self.kernel.write_kv(kv_cache, k, v, slot_mapping)  # row copies, not index_copy_
+        else:
+            super().write_kv(kv_cache, k, v, slot_mapping)
 
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         nd = meta.num_decode_tokens

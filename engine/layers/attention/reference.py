@@ -40,11 +40,14 @@ class ReferenceAttentionBackend(AttentionBackend):
     name = "reference"
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         self.decode(q, kv_cache, meta, scale, out)
         self.prefill(q, k, v, kv_cache, meta, scale, out)
         return out
+
+    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
 
     def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         t, hq, d = q.shape
