@@ -114,7 +114,7 @@ def test_deployment_options_and_app_config():
     assert opts["placement_group_bundles"][0]["orbital_node"] == 1.0
     assert "orbital_node" not in opts["placement_group_bundles"][1]
     assert opts["autoscaling_config"].metrics_interval_s == 2.0
-    assert opts["ray_actor_options"] == {"num_cpus": 0}  # tp=2: the ranks hold the bundles
+    assert opts["ray_actor_options"] == {"num_cpus": 1.0}  # tp=2: the replica is rank 0 (bundle 0)
     assert cfg2.num_replicas == 1 and isinstance(cfg2.autoscaling, dict)  # inline for the router replicas
     AppConfig(**cfg2.model_dump())  # round-trips
     plain = AppConfig()

@@ -111,7 +111,7 @@ def test_tp_groups_whole_on_one_node_and_spread(three_node_app):
     assert len(set(nodes)) == 2, nodes  # replicas spread: one per node
     assert set(nodes) == {three_node_app["first"], three_node_app["second"]}  # the 1-CPU head holds none
 
-    # The TP rank actors themselves (TPWorker, owned by their replica actor) run on the node of
+    # Rank 0 is the replica actor itself; the other rank (a TPWorker it owns) runs on the node of
     # that replica's placement group (Serve names the group after the replica actor).
     actors = [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
     for pg in groups:
@@ -121,7 +121,7 @@ def test_tp_groups_whole_on_one_node_and_spread(three_node_app):
         owner = replica[0]["Address"]
         ranks = [a for a in actors if a["ActorClassName"] == "TPWorker"
                  and (a["OwnerAddress"]["IPAddress"], a["OwnerAddress"]["Port"]) == (owner["IPAddress"], owner["Port"])]
-        assert len(ranks) == 2, [(a["ActorClassName"], a["OwnerAddress"]) for a in actors]
+        assert len(ranks) == 1, [(a["ActorClassName"], a["OwnerAddress"]) for a in actors]  # tp=2: rank 1
         assert {a["Address"]["NodeID"] for a in ranks} == {node}
 
 
