@@ -34,4 +34,4 @@ test-fast: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP) $(KSTAMP)
-	$(PY) -m bench.bench_engine
+	$(PY) -m bench.bench_engine --requests 256 --hf-requests 48 --dtypes bfloat16 float32
