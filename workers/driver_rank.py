@@ -13,9 +13,10 @@ import torch
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import TPGroup, bound_tp_group
+from workers.rank_runner import RankRunner
 
 
-class DriverRank:
+class DriverRank(RankRunner):
     def __init__(self, world_size: int, device: str | torch.device, num_threads: int):
         self.world_size = world_size
         self.device = torch.device(device)
@@ -41,16 +42,8 @@ class DriverRank:
         self.tp = join_group(0, self.world_size, *self.rendezvous, self.device, store=self._store)
 
     def load(self, model_config, cache_config) -> int:
-        from engine.model_runner import ModelRunner
-
         with bound_tp_group(self.tp):
-            self.runner = ModelRunner(model_config, cache_config, self.device)
-            self.runner.load_model()
-        return self.runner.num_blocks_for_budget()
-
-    def init_kv_cache(self, num_blocks: int) -> int:
-        self.runner.init_kv_cache(num_blocks)
-        return self.runner.bytes_per_block()
+            return self._build_runner(model_config, cache_config)
 
     # ---- per step ----
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from workers.rank_runner import RankRunner
 
 
 @dataclass
@@ -35,7 +36,7 @@ def sampled_delta(out: ModelRunnerOutput | None) -> dict[str, list[int]]:
     return {r: t for r, t in zip(out.request_ids, out.sampled_token_ids) if t}
 
 
-class TPWorker:
+class TPWorker(RankRunner):
     """Wrapped with ray.remote by the executor (this module itself does not need ray)."""
 
     def __init__(self, rank: int, world_size: int, device: str = "cpu", num_threads: int = 1):
@@ -62,16 +63,7 @@ class TPWorker:
         set_tp_group(self.tp.size, self.tp.rank, self.tp.group)
 
     def load(self, model_config, cache_config) -> int:
-        """Build this rank's model shard (reads only its slices) and return its KV block budget."""
-        from engine.model_runner import ModelRunner
-
-        self.runner = ModelRunner(model_config, cache_config, self.device)
-        self.runner.load_model()
-        return self.runner.num_blocks_for_budget()
-
-    def init_kv_cache(self, num_blocks: int) -> int:
-        self.runner.init_kv_cache(num_blocks)
-        return self.runner.bytes_per_block()
+        return self._build_runner(model_config, cache_config)
 
     # ---- per step ----
     def execute(self, payload: bytes) -> None:

@@ -1,0 +1,20 @@
+"""What every tensor-parallel rank does with its model runner, wherever the rank lives (rank 0
+in the driver, workers/driver_rank.py; ranks 1..tp-1 as actors, workers/worker.py)."""
+from __future__ import annotations
+
+
+class RankRunner:
+    device = None
+    runner = None
+
+    def _build_runner(self, model_config, cache_config) -> int:
+        """Build this rank's model shard (reads only its slices); returns its KV block budget."""
+        from engine.model_runner import ModelRunner
+
+        self.runner = ModelRunner(model_config, cache_config, self.device)
+        self.runner.load_model()
+        return self.runner.num_blocks_for_budget()
+
+    def init_kv_cache(self, num_blocks: int) -> int:
+        self.runner.init_kv_cache(num_blocks)
+        return self.runner.bytes_per_block()
