@@ -12,6 +12,7 @@ from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import get_tp_group
 from engine.forward_context import forward_context
+from engine.cpu_malloc import keep_step_memory
 from engine.kv_memory import allocate_kv_caches
 from engine.layers.sampler import Sampler, compute_prompt_logprobs
 from engine.model.loader import load_model
@@ -37,6 +38,8 @@ class ModelRunner:
         self.model = None
         self.kv_caches: list[torch.Tensor] = []
         self._kv_buffer = None  # owns the CPU cache's memory
+        if self.device.type == "cpu":
+            keep_step_memory()  # step activations reuse heap memory instead of fresh page faults
 
     def load_model(self) -> None:
         self.model = load_model(self.mc.model_dir, self.mc.hf_config, self.mc.dtype, self.device, self.mc.max_model_len)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.cpu_ops import load_cpu_ops
 from engine.outputs import TokenLogprob
 from engine.sampling_metadata import SamplingMetadata
 
@@ -30,21 +31,21 @@ class Sampler(torch.nn.Module):
         md = metadata
         if not md.needs_processing and md.max_num_logprobs is None:
             # Plain greedy: argmax of the raw logits (a float32 copy holds the same values).
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=[None] * md.batch_size)
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs=[None] * md.batch_size)
         # float32 always; a fresh copy because the steps below work in place.
         logits = logits.to(torch.float32, copy=True)
         # Raw logprobs come before any processing: they are what users compare to transformers.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
 
         if not md.needs_processing:
-            sampled = logits.argmax(dim=-1)
+            sampled = argmax_rows(logits)
         else:
             apply_min_tokens(logits, md)
             apply_penalties(logits, md)
             if md.all_greedy:
-                sampled = logits.argmax(dim=-1)
+                sampled = argmax_rows(logits)
             else:
-                greedy = None if md.all_random else logits.argmax(dim=-1)
+                greedy = None if md.all_random else argmax_rows(logits)
                 logits.div_(md.temperature.unsqueeze(1))
                 apply_top_k_top_p(logits, md.top_k, md.top_p)
                 probs = torch.softmax(logits, dim=-1)
@@ -62,6 +63,16 @@ class Sampler(torch.nn.Module):
             for i, e in zip(rows, entries):
                 logprobs[i] = [e]
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a [B, V] CPU matrix through the C++ op when built (torch's
+    scans a bf16 [256, 49152] in ~22 ms, the op in ~1 ms); same result, ties to the lowest id."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.stride(1) == 1:
+        ops = load_cpu_ops()
+        if ops is not None:
+            return ops.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
@@ -136,7 +147,7 @@ def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if g is not None and not greedy[i]:
             q[i].exponential_(generator=g)
     # q == 0 would turn a zero-probability token into 0/0 = nan (which argmax picks).
-    return probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    return argmax_rows(probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)))
 
 
 def to_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine.layers.sampler import Sampler, compute_prompt_logprobs
+from engine.kernels.cpu_ops import load_cpu_ops
+from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
 from engine.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 
@@ -33,6 +34,25 @@ def test_greedy_is_argmax_fast_path_and_ties_lowest_id():
     assert out.sampled_token_ids.tolist() == logits.argmax(-1).tolist()
     assert out.sampled_token_ids[0].item() == 3
     assert out.logprobs == [None] * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_matches_torch_ties_nan_and_tails(dtype):
+    assert load_cpu_ops() is not None, "the C++ CPU ops did not build"  # the op under test, not the fallback
+    torch.manual_seed(0)
+    for shape in [(7, 49152), (3, 49153), (2, 17), (1, 5), (4, 16)]:
+        x = torch.randn(*shape).to(dtype)
+        assert argmax_rows(x).tolist() == x.argmax(-1).tolist(), shape
+    x = torch.zeros(6, 1000, dtype=dtype)
+    x[1, 900] = x[1, 5] = 1.0  # tie in different lanes and chunks -> lowest id
+    x[2, 17] = float("nan")  # NaN wins, as in torch
+    x[3, 999] = 2.0
+    x[3, 998] = float("nan")  # NaN in the scalar tail
+    x[4] = float("-inf")
+    x[5, 48] = x[5, 32] = x[5, 16] = 3.0  # same lane, several chunks
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 5, 17, 998, 0, 16]
+    wide = torch.randn(4, 64).to(dtype)
+    assert argmax_rows(wide[:, :50]).tolist() == wide[:, :50].argmax(-1).tolist()  # strided rows
 
 
 def test_bf16_logits_computed_in_float32():

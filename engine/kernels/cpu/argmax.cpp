@@ -1,0 +1,109 @@
+// Row-wise argmax over the vocabulary for greedy sampling. torch.argmax on CPU scans a
+// [256, 49152] bf16 logits matrix in ~22 ms (7% of a 256-sequence decode step); this one is
+// 16 lanes wide and memory-bound. Same result as torch.argmax: the first index of the maximum,
+// and the first NaN when a row holds one.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// By its bits: the ops are built with -ffast-math, under which std::isnan folds to false.
+static inline bool is_nan(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof u);
+  return (u & 0x7fffffffu) > 0x7f800000u;
+}
+
+template <typename T>
+static int64_t scalar_argmax(const T* p, int64_t n) {
+  int64_t best = 0;
+  float bv = static_cast<float>(p[0]);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = static_cast<float>(p[i]);
+    if (is_nan(v)) return i;
+    if (v > bv) bv = v, best = i;
+  }
+  return best;
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+static inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Per lane: the largest value seen and the first chunk it was seen in; then the smallest index
+// among the lanes holding the overall maximum. A NaN anywhere sends the row to the scalar scan.
+template <typename T>
+static int64_t vector_argmax(const T* p, int64_t n) {
+  const int64_t n16 = n / 16 * 16;
+  if (n16 == 0) return scalar_argmax(p, n);
+  __m512 best = load16(p);
+  __m512i where = _mm512_setzero_si512();  // chunk index per lane
+  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  for (int64_t i = 16; i < n16; i += 16) {
+    const __m512 v = load16(p + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    where = _mm512_mask_set1_epi32(where, gt, static_cast<int>(i / 16));
+  }
+  if (nan) return scalar_argmax(p, n);
+  alignas(64) float bv[16];
+  alignas(64) int32_t bw[16];
+  _mm512_store_ps(bv, best);
+  _mm512_store_si512(bw, where);
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t idx = 0;
+  bool found = false;
+  for (int lane = 0; lane < 16; ++lane) {
+    const int64_t j = static_cast<int64_t>(bw[lane]) * 16 + lane;
+    if (!found || bv[lane] > m || (bv[lane] == m && j < idx)) m = bv[lane], idx = j, found = true;
+  }
+  for (int64_t i = n16; i < n; ++i) {
+    const float v = static_cast<float>(p[i]);
+    if (is_nan(v)) return i;
+    if (v > m) m = v, idx = i;
+  }
+  return idx;
+}
+#endif
+
+// x [B, V] float32 or bfloat16, rows contiguous -> int64 [B].
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "argmax_rows: x must be [B, V] with contiguous rows");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t b = x.size(0), v = x.size(1), rs = x.stride(0);
+  AT_DISPATCH_SWITCH(x.scalar_type(), "argmax_rows",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      const scalar_t* p = x.data_ptr<scalar_t>();
+      at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
+#if defined(__AVX512F__)
+        for (int64_t i = s; i < e; ++i) op[i] = vector_argmax(p + i * rs, v);
+#else
+        for (int64_t i = s; i < e; ++i) op[i] = scalar_argmax(p + i * rs, v);
+#endif
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      const scalar_t* p = x.data_ptr<scalar_t>();
+      at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
+#if defined(__AVX512F__)
+        for (int64_t i = s; i < e; ++i) op[i] = vector_argmax(p + i * rs, v);
+#else
+        for (int64_t i = s; i < e; ++i) op[i] = scalar_argmax(p + i * rs, v);
+#endif
+      });
+    }));
+  return out;
+}
