@@ -92,6 +92,12 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
             q = torch.arange(n, device=device)[:, None] + nc
             mask = torch.arange(nc + n, device=device)[None, :] <= q
         meta.prefills.append(PrefillChunk(starts[k], n, nc, torch.tensor(st.block_ids[:nblk], dtype=torch.long, device=device), mask))
+    if prefill:
+        maxb = max(len(pc.block_ids) for pc in meta.prefills)
+        meta.prefill_block_table = torch.tensor(
+            [pc.block_ids.tolist() + [0] * (maxb - len(pc.block_ids)) for pc in meta.prefills], dtype=torch.int32, device=device)
+        meta.prefill_info = torch.tensor([[pc.start, pc.num_new, pc.num_context] for pc in meta.prefills],
+                                         dtype=torch.int32, device=device)
     return StepBatch(
         request_ids=[states[i].request_id for i in order],
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),

@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel against the PyTorch reference backend on random paged caches."""
+"""The C++ paged decode and prefill kernels against the PyTorch reference backend on random paged caches."""
 from __future__ import annotations
 
 import pytest
@@ -24,17 +24,36 @@ def _batch(block_size=4, seed=0, rows=((1, 1), (3, 1), (8, 1), (17, 1), (30, 1),
     return states, counts
 
 
+class _Recording:
+    """The C++ ops module, noting what prefill_attention answered."""
+
+    def __init__(self, ops):
+        self.ops, self.prefill_results = ops, []
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def prefill_attention(self, *args):
+        self.prefill_results.append(self.ops.prefill_attention(*args))
+        return self.prefill_results[-1]
+
+
 # Shapes cover the kernel's vector paths: head_dim 16/64/128 (and 24, which no vector path
 # takes), block sizes that are not 16 (a 16-token chunk then spans blocks), GQA groups 1-4,
 # and contexts past several 16-token chunks.
 _LONG = ((1, 1), (15, 1), (16, 1), (47, 1), (100, 1), (0, 9), (12, 6))
+# Prompt chunks past several 16-position work items and key tiles, with and without context.
+_PREFILL = ((5, 1), (0, 2), (0, 37), (21, 50), (64, 16), (3, 17))
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("hkv,g,d,bs,rows", [(2, 3, 16, 4, None), (3, 3, 64, 16, _LONG), (1, 4, 128, 8, _LONG),
-                                             (2, 1, 64, 32, _LONG), (2, 2, 24, 16, _LONG)])
+                                             (2, 1, 64, 32, _LONG), (2, 2, 24, 16, _LONG),
+                                             (3, 3, 64, 16, _PREFILL), (2, 4, 32, 8, _PREFILL), (1, 2, 128, 16, _PREFILL),
+                                             (2, 3, 96, 4, _PREFILL)])
 def test_cpu_paged_kernel_matches_reference(dtype, tol, hkv, g, d, bs, rows):
     kernel = get_backend("cpu_paged")
+    kernel.kernel = _Recording(kernel.kernel)
     ref = get_backend("reference")
     states, counts = _batch(bs, rows=rows) if rows else _batch(bs)
     batch = build_step_batch(states, counts, bs, "cpu")
@@ -52,5 +71,7 @@ def test_cpu_paged_kernel_matches_reference(dtype, tol, hkv, g, d, bs, rows):
     # reference itself rounds the softmax to bf16, so both are held to the truth, not each other.
     truth = ref.forward(q.float(), k.float(), v.float(), cache.float(), batch.meta, 0.25)
     assert (b.float() - truth).abs().max().item() < tol
+    # The prefill op ran (head_dim a multiple of 32) rather than falling back to PyTorch's.
+    assert kernel.kernel.prefill_results == [d % 32 == 0]
     if dtype == torch.bfloat16:  # no worse than the reference path
         assert (b.float() - truth).abs().max().item() <= (a.float() - truth).abs().max().item() + 1e-6

@@ -1,4 +1,5 @@
-"""CPU backend: cache writes and decode rows through the C++ ops, prefill chunks as the reference."""
+"""CPU backend: cache writes, decode rows and prompt chunks through the C++ ops (PyTorch's
+reference path wherever an op does not apply)."""
 from __future__ import annotations
 
 import torch
@@ -33,3 +34,18 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
             return super().decode(q, kv_cache, meta, scale, out)
         out[:nd] = self.kernel.paged_decode(q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1],
                                             meta.decode_block_table, meta.decode_seq_lens, scale).to(out.dtype)
+
+    def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        if not meta.prefills:
+            return
+        if q.device.type == "cpu" and meta.prefill_info is not None:
+            qc = q.to(kv_cache.dtype).contiguous()
+            direct = out.is_contiguous() and out.dtype == qc.dtype
+            o = out if direct else torch.empty_like(qc)
+            if self.kernel.prefill_attention(qc, kv_cache[0], kv_cache[1], meta.prefill_block_table,
+                                             meta.prefill_info, scale, o):
+                if not direct:
+                    rows = slice(meta.num_decode_tokens, None)
+                    out[rows] = o[rows].to(out.dtype)
+                return
+        super().prefill(q, k, v, kv_cache, meta, scale, out)

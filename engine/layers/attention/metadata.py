@@ -39,3 +39,6 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None = None  # [Bd, max_blocks] int32
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32, including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # All prefill chunks at once for kernels that read the paged cache directly.
+    prefill_block_table: torch.Tensor | None = None  # [C, max_blocks] int32
+    prefill_info: torch.Tensor | None = None  # [C, 3] int32: first row, new tokens, cached tokens
