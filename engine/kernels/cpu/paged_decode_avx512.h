@@ -6,6 +6,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include "work_queue.h"
+
 namespace avx512 {
 
 constexpr int kMaxG = 16;  // query heads per KV head handled here (GQA groups are <= 8 in practice)
@@ -150,12 +152,12 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
   constexpr int64_t D = NV * 16;
-  at::parallel_for(0, b * hkv, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t i = w / hkv, h = w % hkv;
-      item<NV, T>(qp + (i * hq + h * g) * D, kp + h * nb * bs * D, vp + h * nb * bs * D, bt + i * maxb, sl[i], bs, g,
-                  static_cast<float>(scale), op + (i * hq + h * g) * D);
-    }
+  const std::vector<int64_t> order = costliest_first(b, [&](int64_t i) { return sl[i]; });
+  struct None {};
+  parallel_dynamic<None>(b * hkv, [&](int64_t w, None&) {
+    const int64_t i = order[w / hkv], h = w % hkv;
+    item<NV, T>(qp + (i * hq + h * g) * D, kp + h * nb * bs * D, vp + h * nb * bs * D, bt + i * maxb, sl[i], bs, g,
+                static_cast<float>(scale), op + (i * hq + h * g) * D);
   });
 }
 

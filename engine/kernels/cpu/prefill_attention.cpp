@@ -10,13 +10,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "work_queue.h"
 
 #if defined(__AVX512F__)
 namespace prefill {
@@ -235,23 +236,20 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
     }
   });
   // Work items, costliest first (later positions see more keys), handed out dynamically.
-  struct Item { int64_t chunk, head, p0, cost; };
+  struct Item { int64_t chunk, head, p0; };
   std::vector<Item> items;
   for (int64_t i = 0; i < nc; ++i)
     for (int64_t p0 = 0; p0 < chunks[i].num_new; p0 += kTile)
-      for (int64_t h = 0; h < hkv; ++h) items.push_back({i, h, p0, chunks[i].num_context + p0 + kTile});
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next{0};
+      for (int64_t h = 0; h < hkv; ++h) items.push_back({i, h, p0});
+  const std::vector<int64_t> order = costliest_first(
+      static_cast<int64_t>(items.size()), [&](int64_t w) { return chunks[items[w].chunk].num_context + items[w].p0; });
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> sbuf;
-    std::vector<uint32_t> pbuf;
-    for (int64_t w; (w = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
-      const Item& it = items[w];
-      item<D, T>(chunks[it.chunk], it.head, it.p0, g, hq, qp, op, kp + it.head * koff[nc] + koff[it.chunk],
-                 vp + it.head * voff[nc] + voff[it.chunk], static_cast<float>(scale), sbuf, pbuf);
-    }
+  struct Scratch { std::vector<float> s; std::vector<uint32_t> p; };
+  parallel_dynamic<Scratch>(static_cast<int64_t>(items.size()), [&](int64_t w, Scratch& sc) {
+    const Item& it = items[order[w]];
+    item<D, T>(chunks[it.chunk], it.head, it.p0, g, hq, qp, op, kp + it.head * koff[nc] + koff[it.chunk],
+               vp + it.head * voff[nc] + voff[it.chunk], static_cast<float>(scale), sc.s, sc.p);
   });
 }
 
