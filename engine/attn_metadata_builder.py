@@ -83,21 +83,22 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
             seq = torch.tensor([states[i].num_computed_tokens + 1 for i in decode[a:b]], device=device)
             mask = torch.arange(maxb * bs, device=device)[None, :] < seq[:, None]
             meta.decode_buckets.append(DecodeBucket(a, b, torch.tensor(flat, dtype=torch.long, device=device), maxb, mask[:, None, :]))
+    tables, info = [], []
     for k, i in enumerate(prefill, start=len(decode)):
         st, n = states[i], counts[i]
         nc = st.num_computed_tokens
-        nblk = -(-(nc + n) // bs)
+        blocks = st.block_ids[: -(-(nc + n) // bs)]
         mask = None
         if nc > 0:
             q = torch.arange(n, device=device)[:, None] + nc
             mask = torch.arange(nc + n, device=device)[None, :] <= q
-        meta.prefills.append(PrefillChunk(starts[k], n, nc, torch.tensor(st.block_ids[:nblk], dtype=torch.long, device=device), mask))
+        meta.prefills.append(PrefillChunk(starts[k], n, nc, torch.tensor(blocks, dtype=torch.long, device=device), mask))
+        tables.append(blocks)
+        info.append([starts[k], n, nc])
     if prefill:
-        maxb = max(len(pc.block_ids) for pc in meta.prefills)
-        meta.prefill_block_table = torch.tensor(
-            [pc.block_ids.tolist() + [0] * (maxb - len(pc.block_ids)) for pc in meta.prefills], dtype=torch.int32, device=device)
-        meta.prefill_info = torch.tensor([[pc.start, pc.num_new, pc.num_context] for pc in meta.prefills],
-                                         dtype=torch.int32, device=device)
+        maxb = max(len(t) for t in tables)
+        meta.prefill_block_table = torch.tensor([t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32, device=device)
+        meta.prefill_info = torch.tensor(info, dtype=torch.int32, device=device)
     return StepBatch(
         request_ids=[states[i].request_id for i in order],
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <limits>
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd512.h"
 #endif
 
 // By its bits: the ops are built with -ffast-math, under which std::isnan folds to false.
@@ -31,15 +31,7 @@ static int64_t scalar_argmax(const T* p, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-template <typename T>
-static inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using simd512::load16;
 
 // Per lane: the largest value seen and the first chunk it was seen in; then the smallest index
 // among the lanes holding the overall maximum. A NaN anywhere sends the row to the scalar scan.
@@ -78,32 +70,28 @@ static int64_t vector_argmax(const T* p, int64_t n) {
 }
 #endif
 
+template <typename T>
+static void argmax_all(const T* p, int64_t b, int64_t v, int64_t rs, int64_t* out) {
+  at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
+#if defined(__AVX512F__)
+    for (int64_t i = s; i < e; ++i) out[i] = vector_argmax(p + i * rs, v);
+#else
+    for (int64_t i = s; i < e; ++i) out[i] = scalar_argmax(p + i * rs, v);
+#endif
+  });
+}
+
 // x [B, V] float32 or bfloat16, rows contiguous -> int64 [B].
 torch::Tensor argmax_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1, "argmax_rows: x must be [B, V] with contiguous rows");
   auto out = torch::empty({x.size(0)}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t b = x.size(0), v = x.size(1), rs = x.stride(0);
-  AT_DISPATCH_SWITCH(x.scalar_type(), "argmax_rows",
-    AT_DISPATCH_CASE(at::kFloat, [&] {
-      const scalar_t* p = x.data_ptr<scalar_t>();
-      at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
-#if defined(__AVX512F__)
-        for (int64_t i = s; i < e; ++i) op[i] = vector_argmax(p + i * rs, v);
-#else
-        for (int64_t i = s; i < e; ++i) op[i] = scalar_argmax(p + i * rs, v);
-#endif
-      });
-    })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] {
-      const scalar_t* p = x.data_ptr<scalar_t>();
-      at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
-#if defined(__AVX512F__)
-        for (int64_t i = s; i < e; ++i) op[i] = vector_argmax(p + i * rs, v);
-#else
-        for (int64_t i = s; i < e; ++i) op[i] = scalar_argmax(p + i * rs, v);
-#endif
-      });
-    }));
+  if (x.scalar_type() == at::kFloat) {
+    argmax_all(x.data_ptr<float>(), b, v, rs, op);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "argmax_rows: float32 or bfloat16 only");
+    argmax_all(x.data_ptr<c10::BFloat16>(), b, v, rs, op);
+  }
   return out;
 }

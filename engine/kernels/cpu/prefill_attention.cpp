@@ -13,11 +13,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "work_queue.h"
+#if defined(__AVX512F__)
+#include "simd512.h"
+#endif
 
 #if defined(__AVX512F__)
 namespace prefill {
@@ -65,21 +64,7 @@ inline void to_units<c10::BFloat16>(const float* p, uint32_t* dst, int64_t keys)
   }
 }
 
-static inline __m512 exp_ps(__m512 x) {  // x <= 0; as in the decode kernel
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using simd512::exp_ps;
 
 struct Chunk {
   int64_t start, num_new, num_context;  // rows in q/out; query tokens; cached tokens before them
@@ -115,7 +100,7 @@ static void pack(const Chunk& c, const T* kh, const T* vh, int64_t bs, uint32_t*
 template <int D, typename T>
 static void item(const Chunk& c, int64_t h, int64_t p0, int64_t g, int64_t hq, const T* q, T* out,
                  const uint32_t* kp, const uint32_t* vp, float scale, std::vector<float>& sbuf,
-                 std::vector<uint32_t>& pbuf) {
+                 std::vector<uint32_t>& pbuf, std::vector<float>& inv) {
   constexpr int P = Unit<T>::kPer, U = D / P, NV = D / 16;
   const int64_t npos = std::min<int64_t>(kTile, c.num_new - p0);
   const int64_t rows = npos * g;
@@ -124,6 +109,7 @@ static void item(const Chunk& c, int64_t h, int64_t p0, int64_t g, int64_t hq, c
   const int64_t kpad = (kmax + kTile - 1) / kTile * kTile;
   sbuf.resize(rows * kpad);
   pbuf.resize(rows * (kpad / P));
+  inv.resize(rows);
   // Query units of each row, r = i * g + gi, with position c.num_context + p0 + i.
   alignas(64) uint32_t qu[kTile * 16][U];
   for (int64_t i = 0; i < npos; ++i)
@@ -153,25 +139,21 @@ static void item(const Chunk& c, int64_t h, int64_t p0, int64_t g, int64_t hq, c
   }
   // 2. Exact softmax per row over keys [0, limit]; masked keys get P = 0 (no infinities:
   // the ops are built with -ffast-math).
-  std::vector<float> inv(rows);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t limit = c.num_context + p0 + r / g;  // last key this row attends to
     const int64_t nt = limit / kTile + 1;
+    const __m512i last = _mm512_set1_epi32(static_cast<int>(limit));
+    auto live = [&](int64_t t) {  // keys of tile t at or before the limit
+      return _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(t * kTile))), last);
+    };
     float* s = &sbuf[r * kpad];
     __m512 mx = _mm512_set1_ps(-3.0e38f);
-    for (int64_t t = 0; t < nt; ++t) {
-      const __mmask16 live = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(t * kTile)),
-                                                     _mm512_set1_epi32(static_cast<int>(limit)));
-      mx = _mm512_mask_max_ps(mx, live, mx, _mm512_loadu_ps(s + t * kTile));
-    }
+    for (int64_t t = 0; t < nt; ++t) mx = _mm512_mask_max_ps(mx, live(t), mx, _mm512_loadu_ps(s + t * kTile));
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < kpad / kTile; ++t) {
-      const __mmask16 live = t < nt ? _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(t * kTile)),
-                                                              _mm512_set1_epi32(static_cast<int>(limit)))
-                                    : static_cast<__mmask16>(0);
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * kTile), m)));
+      const __m512 p = _mm512_maskz_mov_ps(t < nt ? live(t) : __mmask16(0), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * kTile), m)));
       sum = _mm512_add_ps(sum, p);
       _mm512_storeu_ps(s + t * kTile, p);
     }
@@ -245,11 +227,11 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
       static_cast<int64_t>(items.size()), [&](int64_t w) { return chunks[items[w].chunk].num_context + items[w].p0; });
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  struct Scratch { std::vector<float> s; std::vector<uint32_t> p; };
+  struct Scratch { std::vector<float> s; std::vector<uint32_t> p; std::vector<float> inv; };
   parallel_dynamic<Scratch>(static_cast<int64_t>(items.size()), [&](int64_t w, Scratch& sc) {
     const Item& it = items[order[w]];
     item<D, T>(chunks[it.chunk], it.head, it.p0, g, hq, qp, op, kp + it.head * koff[nc] + koff[it.chunk],
-               vp + it.head * voff[nc] + voff[it.chunk], static_cast<float>(scale), sc.s, sc.p);
+               vp + it.head * voff[nc] + voff[it.chunk], static_cast<float>(scale), sc.s, sc.p, sc.inv);
   });
 }
 
