@@ -1,7 +1,8 @@
 """Build (once per source version, cached) and load the C++ CPU ops; None when they cannot be built.
 
-The module (sources in engine/kernels/cpu/) holds the paged decode attention kernel, which
-reads K/V straight from the paged cache, and the paged cache write. (Fused RMSNorm / rotary /
+The module (sources in engine/kernels/cpu/) holds the paged decode and prompt-chunk attention
+kernels, which read K/V straight from the paged cache, the paged cache write and the greedy
+row argmax. (Fused RMSNorm / rotary /
 SiLU-and-mul were tried here and measured 3-4x slower than PyTorch's own vectorized ops on
 bf16, so the model keeps PyTorch's.) It is optional: any build failure falls back to the pure-PyTorch path,
 and tests compare the two. ORBITAL_DISABLE_CPU_KERNEL=1 turns it off.
