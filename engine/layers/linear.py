@@ -8,10 +8,10 @@ Each parameter carries a `weight_loader` that slices the full checkpoint tensor 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce
+from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.weight_utils import copy_into, narrow, shape_of
 
 
@@ -40,8 +40,12 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         copy_into(param, narrow(w, 0, self.tp_rank * size, size))
 
+    def pack_weights(self) -> None:
+        """After loading: the weight in oneDNN's layout (CPU; see packed_gemm)."""
+        self.weight = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -112,9 +116,12 @@ class RowParallelLinear(nn.Module):
         size = param.shape[1]
         copy_into(param, narrow(w, 1, self.tp_rank * size, size))
 
+    def pack_weights(self) -> None:
+        self.weight = pack_weight(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(F.linear(x, self.weight, bias))
+        return tp_all_reduce(linear(x, self.weight, bias))
 
 
 def check_full_shape(w, expected: tuple[int, ...], name: str) -> None:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
+from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.weight_utils import copy_into, narrow, shape_of
 
 
@@ -46,13 +47,24 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False, dtype=None):
         super().__init__(vocab_size, hidden_size, dtype)
         self.bias = None
+        self.tied = False
+        self.packed_weight: torch.Tensor | None = None
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def pack_weights(self) -> None:
+        """After loading (CPU, see packed_gemm). A tied weight stays plain for the embedding
+        lookup and the head gets a packed copy; an untied one is replaced."""
+        if self.tied:
+            self.packed_weight = pack_weight(self.weight).data
+        else:
+            self.weight = pack_weight(self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.packed_weight if self.packed_weight is not None else self.weight)
         logits = tp_gather_last_dim(logits)
         if logits is None:
             return None

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from engine.layers.packed_gemm import packing_enabled
 from engine.model.gguf_convert import EMBEDDED_NAME, convert_gguf, embedded_gguf_path
 
 
@@ -59,6 +60,10 @@ def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.dev
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_position=max_position, dtype=dtype)
     model.load_weights(iterate_weights(model_dir))
+    if packing_enabled(dtype, torch.device(device)):
+        for module in model.modules():
+            if hasattr(module, "pack_weights"):
+                module.pack_weights()
     return model.eval()
 
 
