@@ -1,11 +1,10 @@
 """Build (once per source version, cached) and load the C++ CPU ops; None when they cannot be built.
 
 The module (sources in engine/kernels/cpu/) holds the paged decode and prompt-chunk attention
-kernels, which read K/V straight from the paged cache, the paged cache write and the greedy
-row argmax. (Fused RMSNorm / rotary /
-SiLU-and-mul were tried here and measured 3-4x slower than PyTorch's own vectorized ops on
-bf16, so the model keeps PyTorch's.) It is optional: any build failure falls back to the pure-PyTorch path,
-and tests compare the two. ORBITAL_DISABLE_CPU_KERNEL=1 turns it off.
+kernels, which read K/V straight from the paged cache, the paged cache write, the greedy
+row argmax and the fused residual-add+RMSNorm, SiLU-and-mul and rotary steps (AVX-512; each
+returns false where it does not apply). It is optional: any build failure falls back to the
+pure-PyTorch path, and tests compare the two. ORBITAL_DISABLE_CPU_KERNEL=1 turns it off.
 """
 from __future__ import annotations
 
@@ -48,6 +47,11 @@ def load_cpu_ops():
             log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
             _MODULE = None
         return _MODULE
+
+
+def cpu_ops_for(x) -> object | None:
+    """The ops module for a CPU tensor (None for other devices or when the ops are unavailable)."""
+    return load_cpu_ops() if x.device.type == "cpu" else None
 
 
 if __name__ == "__main__":  # `python -m engine.kernels.cpu_ops`: build now, say which path

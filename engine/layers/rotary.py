@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from engine.kernels.cpu_ops import cpu_ops_for
+
 
 def rope_parameters(config) -> dict:
     """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)."""
@@ -56,6 +58,12 @@ class RotaryEmbedding(nn.Module):
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
+
+    def rotate_in_place(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
+        """Rotate the first `heads` heads of each [T, W] row (q then k of a fused qkv) in one pass
+        through the CPU op; False (nothing done) where it does not apply."""
+        ops = cpu_ops_for(qkv)
+        return ops is not None and ops.rotary(qkv, positions, self.cos, self.sin, heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""

@@ -50,9 +50,13 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
         t = x.shape[0]
-        q, k = self.rotary(positions, q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim))
+        rotated = self.rotary.rotate_in_place(positions, qkv, self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads)
+        q, k, v = self.qkv_proj.split(qkv)
+        q, k = q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)
+        if not rotated:
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 

@@ -1,6 +1,9 @@
 // The CPU ops module: paged decode and prefill attention (paged_decode.cpp, prefill_attention.cpp),
-// the paged cache write (kv_write.cpp) and the greedy row argmax (argmax.cpp), built once per source version by engine/kernels/cpu_ops.py.
+// the paged cache write (kv_write.cpp), the greedy row argmax (argmax.cpp) and the fused
+// RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), built once per source version
+// by engine/kernels/cpu_ops.py.
 #include <torch/extension.h>
+#include <optional>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
@@ -8,6 +11,9 @@ void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::T
 torch::Tensor argmax_rows(torch::Tensor x);
 bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                        torch::Tensor info, double scale, torch::Tensor out);
+bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
+bool silu_and_mul(torch::Tensor x, torch::Tensor out);
+bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 
 // Which vector path this build has (benchmarks and tests report it).
 static std::string isa() {
@@ -25,5 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "write K/V rows into the paged cache at their slots");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax (first index of the max, NaN first) for float32/bfloat16");
   m.def("prefill_attention", &prefill_attention, "causal attention of a step's prompt chunks over the paged cache; false if not applicable");
+  m.def("rms_norm", &rms_norm, "in place: residual += x, x = weight * rmsnorm(residual); false if not applicable");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over [gate | up] rows; false if not applicable");
+  m.def("rotary", &rotary, "in place neox rotary embedding of the first heads of each row; false if not applicable");
   m.def("isa", &isa, "vector path compiled in");
 }

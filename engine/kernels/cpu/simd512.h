@@ -2,6 +2,7 @@
 // exp for softmax and a 16-lane load of float32 or bfloat16 values as float32.
 #pragma once
 #include <immintrin.h>
+#include <type_traits>
 #include <torch/extension.h>
 
 namespace simd512 {
@@ -32,6 +33,43 @@ template <>
 inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 = high half of a float32
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+}  // namespace simd512
+
+namespace simd512 {
+
+// Round 16 float32 lanes to bfloat16, nearest-even like c10::BFloat16 (NaN stays NaN).
+static inline __m256i to_bf16_bits(__m512 v) {
+#if defined(__AVX512BF16__)
+  return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+
+// Store 16 float32 lanes as T (rounded like a PyTorch cast).
+template <typename T>
+static inline void store16(T* p, __m512 v);
+template <>
+inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+
+// v rounded to T's precision, kept as float32: where PyTorch would store an intermediate in T.
+template <typename T>
+static inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+  }
 }
 
 }  // namespace simd512
