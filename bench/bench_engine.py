@@ -15,6 +15,7 @@ from a deeper queue. Both figures are printed with their request counts.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -114,13 +115,16 @@ def main(argv=None) -> None:
         roof = matmul_roof(getattr(torch, dt))
         row = dict(dtype=dt, engine_tok_s=useful_eng / t_eng, kv_waste=waste, roof_share=flops / t_eng / roof,
                    roof_gflops=roof / 1e9, engine_s=t_eng)
+        model_dir, tokenizer = llm.engine.model_config.model_dir, llm.tokenizer
+        llm.shutdown()
+        del model, llm
+        gc.collect()  # the engine's KV cache and weights are released before the baseline runs
         if not args.skip_hf:
-            hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_config.model_dir, dtype=getattr(torch, dt)).eval()
-            t_hf, useful_hf = run_hf_static(hf, llm.tokenizer, reqs[: args.hf_requests or len(reqs)])
+            hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dt)).eval()
+            t_hf, useful_hf = run_hf_static(hf, tokenizer, reqs[: args.hf_requests or len(reqs)])
             row.update(hf_tok_s=useful_hf / t_hf, ratio=(useful_eng / t_eng) / (useful_hf / t_hf), hf_s=t_hf)
             del hf
         rows.append(row)
-        llm.shutdown()
         print(row, flush=True)
     hf_n = min(args.hf_requests or args.requests, args.requests)
     print(f"\nmixed workload: engine {args.requests} requests, transformers the first {hf_n}; prompts 20-600, "
