@@ -34,4 +34,5 @@ test-fast: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP) $(KSTAMP)
+	$(PY) -m bench.bench_packed_gemm
 	$(PY) -m bench.bench_engine --requests 256 --hf-requests 48 --dtypes bfloat16 float32
