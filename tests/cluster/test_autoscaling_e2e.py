@@ -35,10 +35,14 @@ POLICY = {"pools": {"engine": {
 # metrics (0.5 s pushes, a 3 s look-back mean) + the new replica's start (process, model load).
 UPSCALE_BOUND_S = 60.0
 # Downscale: the look-back window (3 s) + the metrics lag + the removed replica's drain
-# (its streams run to the end: up to LONG_TOKENS tokens on a shared core).
+# (its streams run to the end: ~LONG_SECONDS or more on a shared core).
 DOWNSCALE_BOUND_S = 90.0
 BURST, BURST_TOKENS = 12, 32  # clients sending back to back until the scale-up
-LONG, LONG_TOKENS = 4, 160
+# The long streams must still run when Serve stops a replica (~10-15 s after they start), however
+# fast the engine is on this machine: their length is set from a measured single-stream rate to
+# last ~LONG_SECONDS alone (longer when batched), within what the KV budget holds.
+LONG, LONG_SECONDS, LONG_TOKENS_RANGE = 4, 20.0, (160, 1600)
+KV_BYTES = 384 << 20  # float32 SmolLM2: ~46 KB per token, so 4 x 1600-token streams fit beside the rest
 MAX_NUM_SEQS = 8  # per replica: 12 clients keep 4 requests waiting on one replica; after the
                   # burst no replica is full, so short requests never queue (no re-upscale)
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
@@ -58,7 +62,7 @@ def autoscaling_app():
     ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        cfg = AppConfig(dtype="float32", kv_cache_memory_bytes=48 << 20, num_threads=1, cpus_per_worker=1.0,
+        cfg = AppConfig(dtype="float32", kv_cache_memory_bytes=KV_BYTES, num_threads=1, cpus_per_worker=1.0,
                         max_num_seqs=MAX_NUM_SEQS, autoscaling=POLICY)
         handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
@@ -116,6 +120,12 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
     m: dict = {}
     async with httpx.AsyncClient(timeout=httpx.Timeout(240.0)) as client:
         assert replica_states(APP) == {"RUNNING": 1}
+        t = time.monotonic()
+        r = await client.post(f"{url}/v1/completions", json=completion_body(PROMPT, 48, False))
+        assert r.status_code == 200, r.text
+        rate = 48 / (time.monotonic() - t)
+        lo, hi = LONG_TOKENS_RANGE
+        long_tokens = m["long_tokens"] = max(lo, min(hi, int(rate * LONG_SECONDS)))
         # --- burst (BURST clients, back to back) until the pool has grown -----------------------
         t0 = time.monotonic()
         load_stop, burst_results = asyncio.Event(), []
@@ -129,7 +139,7 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         load_stop.set()  # each client finishes the request it has open
         # --- long streams, started while both replicas run: the newer replica (the one Serve
         # removes first) is the less loaded, so they go there -------------------------------------
-        long = [asyncio.create_task(stream_completion(client, url, PROMPT, LONG_TOKENS)) for _ in range(LONG)]
+        long = [asyncio.create_task(stream_completion(client, url, PROMPT, long_tokens)) for _ in range(LONG)]
         stop, shorts = asyncio.Event(), []
         events.append(stop)
         short_task = asyncio.create_task(_short_requests(client, url, stop, shorts))
@@ -153,7 +163,7 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         await short_task
         # the survivor takes the next request: the other replica id is the removed one
         after_one = await router.routed_counts.remote()
-        r = await client.post(f"{url}/v1/completions", json=completion_body(PROMPT, LONG_TOKENS, False))
+        r = await client.post(f"{url}/v1/completions", json=completion_body(PROMPT, long_tokens, False))
         assert r.status_code == 200, r.text
         reference = r.json()["choices"][0]["text"]
         final = await router.routed_counts.remote()
@@ -167,7 +177,7 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
              scale_down_s=t_down - t_queue_empty)
     m["burst_requests"] = len(burst_results)
     m["burst_complete"] = sum(complete(x, BURST_TOKENS) for x in burst_results)
-    m["long_complete"] = sum(complete(x, LONG_TOKENS) for x in long_results)
+    m["long_complete"] = sum(complete(x, long_tokens) for x in long_results)
     m["long_equal_reference"] = sum(x["text"] == reference for x in long_results)
     m["short_ok"] = sum(1 for code, fin in shorts if code == 200 and fin == "length")
     m["short_total"] = len(shorts)
