@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 
 import torch
 
+from bench.timing import median_time
 from bench.workload import mixed_workload
 
 
@@ -34,16 +34,7 @@ def matmul_roof(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
     if packing_enabled(dtype, torch.device("cpu")):
         packed = pack_weight(b.t())
         paths.append(lambda: linear(a, packed))
-    best = float("inf")
-    for fn in paths:
-        fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        best = min(best, statistics.median(times))
-    return 2 * n**3 / best
+    return 2 * n**3 / min(median_time(fn, reps) for fn in paths)
 
 
 def run_hf_static(model, tokenizer, reqs, batch_size: int = 8) -> tuple[float, int]:

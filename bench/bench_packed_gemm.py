@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.timing import median_time
 from engine.layers.packed_gemm import linear, pack_weight
 
 
@@ -23,16 +23,6 @@ def model_shapes(cfg) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
     h, f = cfg.hidden_size, cfg.intermediate_size
     return [(h, qkv), (cfg.num_attention_heads * hd, h), (h, 2 * f), (f, h)], (h, cfg.vocab_size)
-
-
-def median_time(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv=None) -> None:

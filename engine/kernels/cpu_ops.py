@@ -23,30 +23,34 @@ _SRC = Path(__file__).with_name("cpu")
 
 def load_cpu_ops():
     global _MODULE, _TRIED
-    with _LOCK:
-        if _TRIED:
-            return _MODULE
-        _TRIED = True
-        if os.environ.get("ORBITAL_DISABLE_CPU_KERNEL") == "1":
-            return None
-        try:
-            from torch.utils.cpp_extension import load
+    if not _TRIED:  # the layers ask on every forward: no lock once the answer is known
+        with _LOCK:
+            if not _TRIED:
+                _MODULE = _build()
+                _TRIED = True  # set last: a reader without the lock never sees a load in progress
+    return _MODULE
 
-            from engine.model.gguf_convert import cache_root
 
-            files = sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h"))
-            # Named by the sources' hash: an edited kernel never reuses a stale build, and builds of
-            # different versions never collide.
-            digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:12]
-            build = cache_root() / "torch_extensions" / f"cpu_ops-{digest}"
-            build.mkdir(parents=True, exist_ok=True)
-            _MODULE = load(name="orbital_cpu_ops", sources=[str(p) for p in files if p.suffix == ".cpp"],
-                           build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the PyTorch path
-            log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
-            _MODULE = None
-        return _MODULE
+def _build():
+    if os.environ.get("ORBITAL_DISABLE_CPU_KERNEL") == "1":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        from engine.model.gguf_convert import cache_root
+
+        files = sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h"))
+        # Named by the sources' hash: an edited kernel never reuses a stale build, and builds of
+        # different versions never collide.
+        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:12]
+        build = cache_root() / "torch_extensions" / f"cpu_ops-{digest}"
+        build.mkdir(parents=True, exist_ok=True)
+        return load(name="orbital_cpu_ops", sources=[str(p) for p in files if p.suffix == ".cpp"],
+                    build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the PyTorch path
+        log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
+        return None
 
 
 def cpu_ops_for(x) -> object | None:

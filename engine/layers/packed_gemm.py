@@ -49,8 +49,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     m = x2.shape[0]
     mb = row_bucket(m)
     if mb != m:
-        padded = x2.new_zeros(mb, x2.shape[1])
+        padded = x2.new_empty(mb, x2.shape[1])
         padded[:m] = x2
+        padded[m:] = 0
         x2 = padded
     y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
     return y[:m].reshape(*x.shape[:-1], y.shape[-1])

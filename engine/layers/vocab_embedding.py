@@ -58,7 +58,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """After loading (CPU, see packed_gemm). A tied weight stays plain for the embedding
         lookup and the head gets a packed copy; an untied one is replaced."""
         if self.tied:
-            self.packed_weight = pack_weight(self.weight).data
+            self.packed_weight = pack_weight(self.weight).data  # a tensor, not a second registered parameter
         else:
             self.weight = pack_weight(self.weight)
 

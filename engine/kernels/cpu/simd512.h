@@ -1,5 +1,5 @@
-// AVX-512 helpers shared by the CPU ops (decode and prefill attention, argmax): a vectorized
-// exp for softmax and a 16-lane load of float32 or bfloat16 values as float32.
+// AVX-512 helpers shared by the CPU ops (attention, argmax, fused elementwise): a vectorized
+// exp for softmax, and 16-lane loads, stores and bf16 rounding of float32 or bfloat16 values.
 #pragma once
 #include <immintrin.h>
 #include <type_traits>
@@ -34,10 +34,6 @@ inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {  // bf16 = high ha
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-
-}  // namespace simd512
-
-namespace simd512 {
 
 // Round 16 float32 lanes to bfloat16, nearest-even like c10::BFloat16 (NaN stays NaN).
 static inline __m256i to_bf16_bits(__m512 v) {
