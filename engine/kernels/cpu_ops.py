@@ -1,16 +1,21 @@
-"""Build (once per source version, cached) and load the C++ CPU ops; None when they cannot be built.
+"""Build (once per source version and vector target, cached) and load the C++ CPU ops; None when
+they cannot be built.
 
 The module (sources in engine/kernels/cpu/) holds the paged decode and prompt-chunk attention
 kernels, which read K/V straight from the paged cache, the paged cache write, the greedy
-row argmax and the fused residual-add+RMSNorm, SiLU-and-mul and rotary steps (AVX-512; each
-returns false where it does not apply). It is optional: any build failure falls back to the
-pure-PyTorch path, and tests compare the two. ORBITAL_DISABLE_CPU_KERNEL=1 turns it off.
+row argmax and the fused residual-add+RMSNorm, SiLU-and-mul and rotary steps. The vector code is
+one source over a 16-lane vector (cpu/simd16.h) built for the best target this CPU has: AVX-512
+(with BF16 where present) or AVX2 + FMA; elsewhere the ops decline (return false) and the layers
+run PyTorch's path. Any build failure falls back to PyTorch too, and tests compare the two.
+ORBITAL_DISABLE_CPU_KERNEL=1 turns the ops off; ORBITAL_CPU_ISA=avx2|avx512|generic builds a
+lower target than the CPU's best (to test or compare paths).
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 
@@ -19,6 +24,49 @@ _LOCK = threading.Lock()
 _MODULE = None
 _TRIED = False
 _SRC = Path(__file__).with_name("cpu")
+
+# Explicit target flags, not -march=native: a build runs on every CPU with its target's flags, and
+# the cache key names the target, so a home directory shared by nodes of two CPU kinds keeps one
+# build per kind instead of loading one with illegal instructions on the other.
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+TARGETS: dict[str, tuple[list[str], set[str]]] = {  # name: (compiler flags, /proc/cpuinfo flags needed), best first
+    "avx512_bf16": (_AVX512 + ["-mavx512bf16"], {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                                                 "avx512dq", "avx512_bf16"}),
+    "avx512": (_AVX512, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx2": (_AVX2, {"avx2", "fma", "f16c"}),
+    "generic": ([], set()),
+}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_targets() -> list[str]:
+    """The targets this CPU can run, best first (always ends with generic)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["generic"]
+    flags = cpu_flags()
+    return [name for name, (_, needs) in TARGETS.items() if needs <= flags]
+
+
+def build_target() -> str:
+    """The CPU's best target, or ORBITAL_CPU_ISA when it names one this CPU can run."""
+    supported = supported_targets()
+    want = os.environ.get("ORBITAL_CPU_ISA")
+    if want:
+        if want in supported:
+            return want
+        log.warning("ORBITAL_CPU_ISA=%s is not available on this CPU (it has %s); using %s", want, supported,
+                    supported[0])
+    return supported[0]
 
 
 def load_cpu_ops():
@@ -35,19 +83,24 @@ def _build():
     if os.environ.get("ORBITAL_DISABLE_CPU_KERNEL") == "1":
         return None
     try:
+        import torch
         from torch.utils.cpp_extension import load
 
         from engine.model.gguf_convert import cache_root
 
+        target = build_target()
+        flags = ["-O3", "-ffast-math", "-fopenmp", *TARGETS[target][0]]
         files = sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h"))
-        # Named by the sources' hash: an edited kernel never reuses a stale build, and builds of
-        # different versions never collide.
-        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:12]
-        build = cache_root() / "torch_extensions" / f"cpu_ops-{digest}"
+        # Keyed by the sources, the target's flags and torch's version: an edited kernel, another
+        # CPU kind or another torch never reuses a stale build.
+        key = b"".join(p.name.encode() + p.read_bytes() for p in files) + " ".join(flags).encode() + torch.__version__.encode()
+        build = cache_root() / "torch_extensions" / f"cpu_ops-{target}-{hashlib.sha256(key).hexdigest()[:12]}"
         build.mkdir(parents=True, exist_ok=True)
-        return load(name="orbital_cpu_ops", sources=[str(p) for p in files if p.suffix == ".cpp"],
-                    build_directory=str(build), extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        mod = load(name="orbital_cpu_ops", sources=[str(p) for p in files if p.suffix == ".cpp"],
+                   build_directory=str(build), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        if mod.isa() != target:
+            raise RuntimeError(f"built for {target} but the module reports {mod.isa()}")
+        return mod
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: use the PyTorch path
         log.warning("CPU kernels unavailable (%s); using the PyTorch path", e)
         return None

@@ -71,7 +71,8 @@ def test_cpu_paged_kernel_matches_reference(dtype, tol, hkv, g, d, bs, rows):
     # reference itself rounds the softmax to bf16, so both are held to the truth, not each other.
     truth = ref.forward(q.float(), k.float(), v.float(), cache.float(), batch.meta, 0.25)
     assert (b.float() - truth).abs().max().item() < tol
-    # The prefill op ran (head_dim a multiple of 32) rather than falling back to PyTorch's.
-    assert kernel.kernel.prefill_results == [d % 32 == 0]
+    # The prefill op ran where the build has a vector path (AVX-512 or AVX2) and head_dim is a
+    # multiple of 32; elsewhere it declined and PyTorch's path ran (and matched, above).
+    assert kernel.kernel.prefill_results == [d % 32 == 0 and kernel.kernel.isa() != "generic"]
     if dtype == torch.bfloat16:  # no worse than the reference path
         assert (b.float() - truth).abs().max().item() <= (a.float() - truth).abs().max().item() + 1e-6

@@ -1,15 +1,13 @@
 // Row-wise argmax over the vocabulary for greedy sampling. torch.argmax on CPU scans a
 // [256, 49152] bf16 logits matrix in ~22 ms (7% of a 256-sequence decode step); this one is
-// 16 lanes wide and memory-bound. Same result as torch.argmax: the first index of the maximum,
+// 16 lanes wide (AVX-512 or AVX2 via simd16.h) and memory-bound. Same result as torch.argmax: the first index of the maximum,
 // and the first NaN when a row holds one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX512F__)
-#include "simd512.h"
-#endif
+#include "simd16.h"
 
 // By its bits: the ops are built with -ffast-math, under which std::isnan folds to false.
 static inline bool is_nan(float v) {
@@ -30,8 +28,9 @@ static int64_t scalar_argmax(const T* p, int64_t n) {
   return best;
 }
 
-#if defined(__AVX512F__)
-using simd512::load16;
+#if defined(ORBITAL_SIMD16)
+using simd::F16;
+using simd::load16;
 
 // Per lane: the largest value seen and the first chunk it was seen in; then the smallest index
 // among the lanes holding the overall maximum. A NaN anywhere sends the row to the scalar scan.
@@ -39,21 +38,21 @@ template <typename T>
 static int64_t vector_argmax(const T* p, int64_t n) {
   const int64_t n16 = n / 16 * 16;
   if (n16 == 0) return scalar_argmax(p, n);
-  __m512 best = load16(p);
-  __m512i where = _mm512_setzero_si512();  // chunk index per lane
-  __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+  F16 best = load16(p);
+  F16 where = simd::zero();  // chunk index per lane, as a float (exact: vocabularies are < 2^28)
+  simd::M16 nan = simd::is_nan(best);
   for (int64_t i = 16; i < n16; i += 16) {
-    const __m512 v = load16(p + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    where = _mm512_mask_set1_epi32(where, gt, static_cast<int>(i / 16));
+    const F16 v = load16(p + i);
+    nan = simd::mor(nan, simd::is_nan(v));
+    const simd::M16 gt = simd::gt(v, best);
+    best = simd::select(gt, v, best);
+    where = simd::select(gt, simd::set1(static_cast<float>(i / 16)), where);
   }
-  if (nan) return scalar_argmax(p, n);
+  if (simd::any(nan)) return scalar_argmax(p, n);
   alignas(64) float bv[16];
-  alignas(64) int32_t bw[16];
-  _mm512_store_ps(bv, best);
-  _mm512_store_si512(bw, where);
+  alignas(64) float bw[16];
+  simd::store(bv, best);
+  simd::store(bw, where);
   float m = -std::numeric_limits<float>::infinity();
   int64_t idx = 0;
   bool found = false;
@@ -73,7 +72,7 @@ static int64_t vector_argmax(const T* p, int64_t n) {
 template <typename T>
 static void argmax_all(const T* p, int64_t b, int64_t v, int64_t rs, int64_t* out) {
   at::parallel_for(0, b, 1, [&](int64_t s, int64_t e) {
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
     for (int64_t i = s; i < e; ++i) out[i] = vector_argmax(p + i * rs, v);
 #else
     for (int64_t i = s; i < e; ++i) out[i] = scalar_argmax(p + i * rs, v);

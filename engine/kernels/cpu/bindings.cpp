@@ -4,6 +4,7 @@
 // by engine/kernels/cpu_ops.py.
 #include <torch/extension.h>
 #include <optional>
+#include "simd16.h"
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
@@ -17,10 +18,12 @@ bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::
 
 // Which vector path this build has (benchmarks and tests report it).
 static std::string isa() {
-#if defined(__AVX512BF16__)
+#if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
   return "avx512_bf16";
-#elif defined(__AVX512F__)
+#elif defined(ORBITAL_SIMD16_AVX512)
   return "avx512";
+#elif defined(ORBITAL_SIMD16)
+  return "avx2";
 #else
   return "generic";
 #endif

@@ -1,23 +1,22 @@
-// The per-token elementwise steps of a Llama layer, fused (CPU, AVX-512): residual add + RMSNorm,
+// The per-token elementwise steps of a Llama layer, fused (CPU, AVX-512 or AVX2 via simd16.h): residual add + RMSNorm,
 // SiLU-and-multiply, rotary embedding. Each is one pass over its rows, in place where it can be,
 // where the PyTorch versions take 4-12 passes and as many fresh tensors. Intermediates are rounded
 // to the tensor's dtype exactly where PyTorch's ops store them in it (the bf16 results equal the
 // PyTorch path's up to float summation order). Each returns false when it does not apply (no
-// AVX-512, an unsupported dtype or width, a strided row) and the caller runs PyTorch's version.
+// vector ISA, an unsupported dtype or width, a strided row) and the caller runs PyTorch's version.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <optional>
-#if defined(__AVX512F__)
-#include "simd512.h"
-#endif
+#include "simd16.h"
 
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
 namespace {
 
-using simd512::load16;
-using simd512::round16;
-using simd512::store16;
+using simd::F16;
+using simd::load16;
+using simd::round16;
+using simd::store16;
 
 // x <- weight * norm(residual <- x + residual) (or of x when there is no residual), per row.
 template <typename T>
@@ -26,20 +25,20 @@ void rms_rows(T* x, int64_t xs, T* res, int64_t rs, const T* w, int64_t t, int64
     for (int64_t i = b; i < e; ++i) {
       T* xr = x + i * xs;
       T* rr = res != nullptr ? res + i * rs : nullptr;
-      __m512 ss = _mm512_setzero_ps();
+      F16 ss = simd::zero();
       for (int64_t j = 0; j < h; j += 16) {
-        __m512 v = load16(xr + j);
+        F16 v = load16(xr + j);
         if (rr != nullptr) {
-          v = round16<T>(_mm512_add_ps(v, load16(rr + j)));  // the sum is stored in T
+          v = round16<T>(simd::add(v, load16(rr + j)));  // the sum is stored in T
           store16(rr + j, v);
         }
-        ss = _mm512_fmadd_ps(v, v, ss);
+        ss = simd::fmadd(v, v, ss);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(h) + eps));
+      const F16 inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / static_cast<float>(h) + eps));
       const T* src = rr != nullptr ? rr : xr;
       for (int64_t j = 0; j < h; j += 16) {
-        const __m512 n = round16<T>(_mm512_mul_ps(load16(src + j), inv));  // normalised, cast to T
-        store16(xr + j, _mm512_mul_ps(load16(w + j), n));                   // times the weight in T
+        const F16 n = round16<T>(simd::mul(load16(src + j), inv));  // normalised, cast to T
+        store16(xr + j, simd::mul(load16(w + j), n));                // times the weight in T
       }
     }
   });
@@ -50,18 +49,18 @@ template <typename T>
 void silu_mul_rows(const T* x, int64_t xs, T* out, int64_t os, int64_t t, int64_t n) {
   const int64_t grain = std::max<int64_t>(1, 16384 / n);
   at::parallel_for(0, t, grain, [&](int64_t b, int64_t e) {
-    const __m512 one = _mm512_set1_ps(1.f);
+    const F16 one = simd::set1(1.f);
     for (int64_t i = b; i < e; ++i) {
       const T* g = x + i * xs;
       T* o = out + i * os;
       for (int64_t j = 0; j < n; j += 16) {
-        const __m512 gv = load16(g + j);
+        const F16 gv = load16(g + j);
         // sigmoid from exp(-|g|) <= 1: 1/(1+e) for g >= 0, e/(1+e) below (no overflow either way)
-        const __m512 ex = simd512::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
-        const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, ex), _mm512_add_ps(one, ex));
-        const __m512 s = round16<T>(_mm512_mul_ps(gv, sig));
-        store16(o + j, _mm512_mul_ps(s, load16(g + n + j)));
+        const F16 ex = simd::exp(simd::sub(simd::zero(), simd::abs(gv)));
+        const simd::M16 neg = simd::lt(gv, simd::zero());
+        const F16 sig = simd::div(simd::select(neg, ex, one), simd::add(one, ex));
+        const F16 s = round16<T>(simd::mul(gv, sig));
+        store16(o + j, simd::mul(s, load16(g + n + j)));
       }
     }
   });
@@ -79,13 +78,13 @@ void rope_rows(T* x, int64_t xs, const int64_t* pos, const T* cos, const T* sin,
       for (int64_t hh = 0; hh < heads; ++hh) {
         T* p = x + i * xs + hh * d;
         for (int64_t j = 0; j < half; j += 16) {
-          const __m512 x1 = load16(p + j), x2 = load16(p + half + j);
-          const __m512 a1 = round16<T>(_mm512_mul_ps(x1, load16(c + j)));
-          const __m512 b1 = round16<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + j)));
-          const __m512 a2 = round16<T>(_mm512_mul_ps(x2, load16(c + half + j)));
-          const __m512 b2 = round16<T>(_mm512_mul_ps(x1, load16(s + half + j)));
-          store16(p + j, _mm512_add_ps(a1, b1));
-          store16(p + half + j, _mm512_add_ps(a2, b2));
+          const F16 x1 = load16(p + j), x2 = load16(p + half + j);
+          const F16 a1 = round16<T>(simd::mul(x1, load16(c + j)));
+          const F16 b1 = round16<T>(simd::mul(simd::sub(simd::zero(), x2), load16(s + j)));
+          const F16 a2 = round16<T>(simd::mul(x2, load16(c + half + j)));
+          const F16 b2 = round16<T>(simd::mul(x1, load16(s + half + j)));
+          store16(p + j, simd::add(a1, b1));
+          store16(p + half + j, simd::add(a2, b2));
         }
       }
     }
@@ -112,7 +111,7 @@ bool rows_ok(const torch::Tensor& x) {
 
 // x [T, H] rows contiguous; residual [T, H] same dtype or None; weight [H]. In place on both.
 bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
   const int64_t h = x.size(-1);
   if (!rows_ok(x) || h % 16 || !weight.is_contiguous() || weight.scalar_type() != x.scalar_type()) return false;
   if (residual && (!rows_ok(*residual) || residual->sizes() != x.sizes() || residual->scalar_type() != x.scalar_type()))
@@ -130,7 +129,7 @@ bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Ten
 
 // x [T, 2N] = [gate | up]; out [T, N].
 bool silu_and_mul(torch::Tensor x, torch::Tensor out) {
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
   const int64_t n = out.size(-1);
   if (!rows_ok(x) || !rows_ok(out) || x.size(1) != 2 * n || n % 16 || out.size(0) != x.size(0) ||
       out.scalar_type() != x.scalar_type())
@@ -148,7 +147,7 @@ bool silu_and_mul(torch::Tensor x, torch::Tensor out) {
 // x [T, W] (e.g. a fused qkv row): rotates heads 0..heads-1 of width head_dim in place.
 // positions [T] int64; cos/sin [max_position, head_dim] in x's dtype.
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
   if (!rows_ok(x) || (head_dim / 2) % 16 || head_dim % 2 || heads * head_dim > x.size(1) || !cos.is_contiguous() ||
       !sin.is_contiguous() || cos.scalar_type() != x.scalar_type() || sin.scalar_type() != x.scalar_type() ||
       cos.size(1) != head_dim || positions.scalar_type() != at::kLong || !positions.is_contiguous() ||

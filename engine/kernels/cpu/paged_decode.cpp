@@ -1,8 +1,9 @@
 // Paged decode attention for CPU: reads K/V straight from the block table (no gather copy),
 // one pass with an online softmax. Parallel over (sequence, KV head); the G query heads that
 // share a KV head are processed together so each K/V row is loaded once.
-// With AVX-512 (built with -march=native) and head_dim a multiple of 16 the hand-vectorized
-// path below runs (bf16 dot products in hardware where AVX512-BF16 exists); else the generic one.
+// With AVX-512 or AVX2 (the build's target, engine/kernels/cpu_ops.py) and head_dim a multiple
+// of 16 the vectorized path runs (bf16 dot products in hardware where AVX512-BF16 exists); else
+// the generic one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -57,8 +58,9 @@ static inline void scale_add(float* acc, float c, const float* p, const float* v
   }
 }
 
-#if defined(__AVX512F__)
-#include "paged_decode_avx512.h"
+#include "simd16.h"
+#if defined(ORBITAL_SIMD16)
+#include "paged_decode_simd.h"
 #endif
 
 template <typename scalar_t>
@@ -140,8 +142,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   q = q.contiguous();
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-#if defined(__AVX512F__)
-    if (decode_avx512<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out)) return;
+#if defined(ORBITAL_SIMD16)
+    if (decode_simd<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out)) return;
 #endif
     decode_generic<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   });

@@ -5,46 +5,53 @@
 // for FMA), then each work item (chunk, KV head, 16 query positions x G heads) computes its full
 // score rows, an exact softmax, and P.V, with every inner loop 16 lanes wide.
 // Keys come from the cache (written before this runs), so chunks with cached context and plain
-// prompts take the same path. Returns false where it does not apply (no AVX-512, head_dim not
-// a multiple of 32, other dtypes): the caller then uses PyTorch's.
+// prompts take the same path. Without AVX512-BF16, bf16 K/V are widened to float32 as they are
+// packed and the products run in float32. Returns false where it does not apply (no AVX-512 or
+// AVX2, head_dim not a multiple of 32, other dtypes): the caller then uses PyTorch's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "simd16.h"
 #include "work_queue.h"
-#if defined(__AVX512F__)
-#include "simd512.h"
-#endif
 
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
 namespace prefill {
+
+using simd::F16;
 
 constexpr int kTile = 16;  // keys per score vector, query positions per work item
 
-// How a dtype maps to 32-bit units: bf16 packs 2 values per unit (VDPBF16PS), float one (FMA).
+template <typename T>
+static inline uint16_t raw(T x) { uint16_t u; std::memcpy(&u, &x, 2); return u; }
+
+// How a dtype maps to 32-bit units: bf16 packs 2 values per unit where VDPBF16PS exists, float
+// one (FMA); bf16 without it is widened to one float per unit.
 template <typename T>
 struct Unit;
 template <>
 struct Unit<float> {
   static constexpr int kPer = 1;
-  static inline __m512 madd(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+  static inline F16 madd(F16 acc, F16 a, F16 b) { return simd::fmadd(a, b, acc); }
   static inline uint32_t bits(const float* p) { uint32_t u; std::memcpy(&u, p, 4); return u; }
 };
 #if defined(__AVX512BF16__)
 template <>
 struct Unit<c10::BFloat16> {
   static constexpr int kPer = 2;
-  static inline __m512 madd(__m512 acc, __m512 a, __m512 b) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-  }
+  static inline F16 madd(F16 acc, F16 a, F16 b) { return {_mm512_dpbf16_ps(acc.v, (__m512bh)a.v, (__m512bh)b.v)}; }
   static inline uint32_t bits(const c10::BFloat16* p) { uint32_t u; std::memcpy(&u, p, 4); return u; }
 };
+#else
+template <>
+struct Unit<c10::BFloat16> {
+  static constexpr int kPer = 1;
+  static inline F16 madd(F16 acc, F16 a, F16 b) { return simd::fmadd(a, b, acc); }
+  static inline uint32_t bits(const c10::BFloat16* p) { return static_cast<uint32_t>(raw(*p)) << 16; }
+};
 #endif
-
-template <typename T>
-static inline uint16_t raw(T x) { uint16_t u; std::memcpy(&u, &x, 2); return u; }
 
 // P values (float) -> the units P.V multiplies: bf16 pairs (round to nearest even) or floats.
 template <typename T>
@@ -53,6 +60,10 @@ template <>
 inline void to_units<float>(const float* p, uint32_t* dst, int64_t keys) { std::memcpy(dst, p, keys * 4); }
 template <>
 inline void to_units<c10::BFloat16>(const float* p, uint32_t* dst, int64_t keys) {
+  if constexpr (Unit<c10::BFloat16>::kPer == 1) {  // widened: P stays float32
+    std::memcpy(dst, p, keys * 4);
+    return;
+  }
   int64_t j = 0;
 #if defined(__AVX512BF16__)
   for (; j + 32 <= keys; j += 32)
@@ -64,7 +75,6 @@ inline void to_units<c10::BFloat16>(const float* p, uint32_t* dst, int64_t keys)
   }
 }
 
-using simd512::exp_ps;
 
 struct Chunk {
   int64_t start, num_new, num_context;  // rows in q/out; query tokens; cached tokens before them
@@ -87,8 +97,10 @@ static void pack(const Chunk& c, const T* kh, const T* vh, int64_t bs, uint32_t*
     const T* vr = vh + row;
     uint32_t* kt = kp + (j / kTile) * U * kTile + j % kTile;
     for (int u = 0; u < U; ++u) kt[u * kTile] = Unit<T>::bits(kr + u * P);
-    if constexpr (P == 1) {
+    if constexpr (std::is_same_v<T, float>) {
       std::memcpy(vp + j * D, vr, D * 4);
+    } else if constexpr (P == 1) {
+      for (int d = 0; d < D; ++d) vp[j * D + d] = Unit<T>::bits(vr + d);
     } else {
       uint16_t* vu = reinterpret_cast<uint16_t*>(vp + (j / 2) * D) + (j % 2);
       for (int d = 0; d < D; ++d) vu[2 * d] = raw(vr[d]);
@@ -122,60 +134,56 @@ static void item(const Chunk& c, int64_t h, int64_t p0, int64_t g, int64_t hq, c
     const int64_t nr = std::min<int64_t>(4, rows - r0);
     for (int64_t t = 0; t < kpad / kTile; ++t) {
       const uint32_t* kt = kp + t * U * kTile;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      F16 a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
       for (int u = 0; u < U; ++u) {
-        const __m512 kv = _mm512_castsi512_ps(_mm512_load_si512(kt + u * kTile));
-        a0 = Unit<T>::madd(a0, _mm512_castsi512_ps(_mm512_set1_epi32(qu[r0][u])), kv);
-        if (nr > 1) a1 = Unit<T>::madd(a1, _mm512_castsi512_ps(_mm512_set1_epi32(qu[r0 + 1][u])), kv);
-        if (nr > 2) a2 = Unit<T>::madd(a2, _mm512_castsi512_ps(_mm512_set1_epi32(qu[r0 + 2][u])), kv);
-        if (nr > 3) a3 = Unit<T>::madd(a3, _mm512_castsi512_ps(_mm512_set1_epi32(qu[r0 + 3][u])), kv);
+        const F16 kv = simd::load(kt + u * kTile);
+        a0 = Unit<T>::madd(a0, simd::set1_bits(qu[r0][u]), kv);
+        if (nr > 1) a1 = Unit<T>::madd(a1, simd::set1_bits(qu[r0 + 1][u]), kv);
+        if (nr > 2) a2 = Unit<T>::madd(a2, simd::set1_bits(qu[r0 + 2][u]), kv);
+        if (nr > 3) a3 = Unit<T>::madd(a3, simd::set1_bits(qu[r0 + 3][u]), kv);
       }
-      const __m512 sc = _mm512_set1_ps(scale);
-      _mm512_storeu_ps(&sbuf[(r0 + 0) * kpad + t * kTile], _mm512_mul_ps(a0, sc));
-      if (nr > 1) _mm512_storeu_ps(&sbuf[(r0 + 1) * kpad + t * kTile], _mm512_mul_ps(a1, sc));
-      if (nr > 2) _mm512_storeu_ps(&sbuf[(r0 + 2) * kpad + t * kTile], _mm512_mul_ps(a2, sc));
-      if (nr > 3) _mm512_storeu_ps(&sbuf[(r0 + 3) * kpad + t * kTile], _mm512_mul_ps(a3, sc));
+      const F16 sc = simd::set1(scale);
+      simd::storeu(&sbuf[(r0 + 0) * kpad + t * kTile], simd::mul(a0, sc));
+      if (nr > 1) simd::storeu(&sbuf[(r0 + 1) * kpad + t * kTile], simd::mul(a1, sc));
+      if (nr > 2) simd::storeu(&sbuf[(r0 + 2) * kpad + t * kTile], simd::mul(a2, sc));
+      if (nr > 3) simd::storeu(&sbuf[(r0 + 3) * kpad + t * kTile], simd::mul(a3, sc));
     }
   }
   // 2. Exact softmax per row over keys [0, limit]; masked keys get P = 0 (no infinities:
   // the ops are built with -ffast-math).
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t limit = c.num_context + p0 + r / g;  // last key this row attends to
     const int64_t nt = limit / kTile + 1;
-    const __m512i last = _mm512_set1_epi32(static_cast<int>(limit));
-    auto live = [&](int64_t t) {  // keys of tile t at or before the limit
-      return _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(t * kTile))), last);
-    };
+    auto live = [&](int64_t t) { return simd::lanes_upto(t * kTile, limit); };  // keys at or before the limit
     float* s = &sbuf[r * kpad];
-    __m512 mx = _mm512_set1_ps(-3.0e38f);
-    for (int64_t t = 0; t < nt; ++t) mx = _mm512_mask_max_ps(mx, live(t), mx, _mm512_loadu_ps(s + t * kTile));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
+    F16 mx = simd::set1(-3.0e38f);
+    for (int64_t t = 0; t < nt; ++t) mx = simd::select(live(t), simd::max(mx, simd::loadu(s + t * kTile)), mx);
+    const F16 m = simd::set1(simd::reduce_max(mx));
+    F16 sum = simd::zero();
     for (int64_t t = 0; t < kpad / kTile; ++t) {
-      const __m512 p = _mm512_maskz_mov_ps(t < nt ? live(t) : __mmask16(0), exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t * kTile), m)));
-      sum = _mm512_add_ps(sum, p);
-      _mm512_storeu_ps(s + t * kTile, p);
+      const F16 p = simd::maskz(t < nt ? live(t) : simd::none(), simd::exp(simd::sub(simd::loadu(s + t * kTile), m)));
+      sum = simd::add(sum, p);
+      simd::storeu(s + t * kTile, p);
     }
-    inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+    inv[r] = 1.f / simd::reduce_add(sum);
     to_units<T>(s, &pbuf[r * (kpad / P)], kpad);
   }
   // 3. O = P.V, rows in groups so the accumulators stay in registers.
-  constexpr int RG = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
+  constexpr int RG = std::clamp((simd::kRegs - NV - 1) / NV, 1, 4);
   for (int64_t r0 = 0; r0 < rows; r0 += RG) {
     const int64_t nr = std::min<int64_t>(RG, rows - r0);
     const int64_t limit = c.num_context + p0 + (r0 + nr - 1) / g;
     const int64_t units = (limit + 1 + P - 1) / P;
-    __m512 acc[RG][NV];
+    F16 acc[RG][NV];
     for (int i = 0; i < RG; ++i)
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int j = 0; j < NV; ++j) acc[i][j] = simd::zero();
     for (int64_t u = 0; u < units; ++u) {
       const uint32_t* vr = vp + u * D;
-      __m512 vv[NV];
-      for (int j = 0; j < NV; ++j) vv[j] = _mm512_castsi512_ps(_mm512_loadu_si512(vr + 16 * j));
+      F16 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = simd::loadu(vr + 16 * j);
       for (int i = 0; i < RG; ++i) {
         if (i >= nr) break;
-        const __m512 pb = _mm512_castsi512_ps(_mm512_set1_epi32(pbuf[(r0 + i) * (kpad / P) + u]));
+        const F16 pb = simd::set1_bits(pbuf[(r0 + i) * (kpad / P) + u]);
         for (int j = 0; j < NV; ++j) acc[i][j] = Unit<T>::madd(acc[i][j], pb, vv[j]);
       }
     }
@@ -183,7 +191,7 @@ static void item(const Chunk& c, int64_t h, int64_t p0, int64_t g, int64_t hq, c
       const int64_t r = r0 + i, pos = r / g, gi = r % g;
       T* o = out + ((c.start + p0 + pos) * hq + h * g + gi) * D;
       alignas(64) float tmp[D];
-      for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[i][j], _mm512_set1_ps(inv[r])));
+      for (int j = 0; j < NV; ++j) simd::store(tmp + 16 * j, simd::mul(acc[i][j], simd::set1(inv[r])));
       for (int d = 0; d < D; ++d) o[d] = static_cast<T>(tmp[d]);
     }
   }
@@ -260,16 +268,14 @@ bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.sizes() == q.sizes(), "bad shapes");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && info.scalar_type() == at::kInt, "int32 tables");
   TORCH_CHECK(info.dim() == 2 && info.size(1) == 3 && block_tables.size(0) == info.size(0), "info is [C, 3]");
-#if defined(__AVX512F__)
+#if defined(ORBITAL_SIMD16)
   if (!q.is_contiguous() || !out.is_contiguous() || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
       !block_tables.is_contiguous() || !info.is_contiguous() || q.scalar_type() != k_cache.scalar_type() ||
       out.scalar_type() != q.scalar_type())
     return false;
   if (q.scalar_type() == at::kFloat) return prefill::dispatch<float>(q, k_cache, v_cache, block_tables, info, scale, out);
-#if defined(__AVX512BF16__)
   if (q.scalar_type() == at::kBFloat16)
     return prefill::dispatch<c10::BFloat16>(q, k_cache, v_cache, block_tables, info, scale, out);
-#endif
 #endif
   return false;
 }

@@ -1,36 +1,21 @@
-// AVX-512 paged decode attention, included by paged_decode.cpp when the compiler targets
-// AVX-512. Same contract as the generic path. Per (sequence, KV head) work item and 16 cached
-// tokens at a time: scores for the G query heads (per head, 16 dot-product vectors reduced
+// Vectorized paged decode attention (AVX-512 or AVX2 through simd16.h), included by
+// paged_decode.cpp. Same contract as the generic path. Per (sequence, KV head) work item and 16
+// cached tokens at a time: scores for the G query heads (per head, 16 dot-product vectors reduced
 // together into one 16-lane vector), a vectorized exp for the online softmax, then P·V into
 // float accumulators. The generic path spent most of its time in scalar exp and per-element
 // conversions; this one keeps every loop 16 lanes wide.
 #pragma once
 #include <immintrin.h>
 
-#include "simd512.h"
+#include "simd16.h"
 #include "work_queue.h"
 
-namespace avx512 {
+namespace vdecode {
 
 constexpr int kMaxG = 16;  // query heads per KV head handled here (GQA groups are <= 8 in practice)
 
-using simd512::exp_ps;
-using simd512::load16;
-
-// r[i] = sum of the 16 lanes of v[i], for 16 vectors at once (45 shuffles/adds instead of 16
-// separate reductions of ~9 each): pairwise within 128-bit lanes, then across lanes.
-static inline __m512 sum16x16(const __m512* v) {
-  __m512 x[8], y[4];
-  for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
-    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x44), _mm512_shuffle_f32x4(y[0], y[1], 0xEE));
-  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x44), _mm512_shuffle_f32x4(y[2], y[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
+using simd::F16;
+using simd::load16;
 
 template <typename T>
 static constexpr bool kSupported = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
@@ -46,8 +31,8 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
   alignas(64) float vf[16][D];
   float m[kMaxG], l[kMaxG];
   for (int64_t gi = 0; gi < g; ++gi) {
-    for (int j = 0; j < NV; ++j) _mm512_store_ps(qf[gi] + 16 * j, load16(qp + gi * D + 16 * j));
-    for (int j = 0; j < NV; ++j) _mm512_store_ps(acc[gi] + 16 * j, _mm512_setzero_ps());
+    for (int j = 0; j < NV; ++j) simd::store(qf[gi] + 16 * j, load16(qp + gi * D + 16 * j));
+    for (int j = 0; j < NV; ++j) simd::store(acc[gi] + 16 * j, simd::zero());
     m[gi] = -std::numeric_limits<float>::infinity();
     l[gi] = 0.f;
   }
@@ -59,7 +44,7 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
   if constexpr (kDp) {
     for (int64_t gi = 0; gi < g; ++gi)
       for (int j = 0; j < NV / 2; ++j)
-        qb[gi][j] = _mm512_cvtne2ps_pbh(_mm512_load_ps(qf[gi] + 32 * j + 16), _mm512_load_ps(qf[gi] + 32 * j));
+        qb[gi][j] = _mm512_cvtne2ps_pbh(simd::load(qf[gi] + 32 * j + 16).v, simd::load(qf[gi] + 32 * j).v);
   }
 #else
   constexpr bool kDp = false;
@@ -99,42 +84,42 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
       const int64_t row = (static_cast<int64_t>(blocks[pos / bs]) * bs + pos % bs) * D;
       krow[t] = kbase + row;
       const T* vr = vbase + row;
-      for (int j = 0; j < NV; ++j) _mm512_store_ps(vf[t] + 16 * j, load16(vr + 16 * j));
+      for (int j = 0; j < NV; ++j) simd::store(vf[t] + 16 * j, load16(vr + 16 * j));
     }
     for (int64_t gi = 0; gi < g; ++gi) {
-      __m512 part[16];
+      F16 part[16];
       for (int64_t t = 0; t < 16; ++t) {
-        __m512 a = _mm512_setzero_ps();
+        F16 a = simd::zero();
         if (t < n) {
           if constexpr (kDp) {
 #if defined(__AVX512BF16__)
             for (int j = 0; j < NV / 2; ++j)
-              a = _mm512_dpbf16_ps(a, qb[gi][j], (__m512bh)_mm512_loadu_si512(krow[t] + 32 * j));
+              a.v = _mm512_dpbf16_ps(a.v, qb[gi][j], (__m512bh)_mm512_loadu_si512(krow[t] + 32 * j));
 #endif
           } else {
-            for (int j = 0; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_load_ps(qf[gi] + 16 * j), load16(krow[t] + 16 * j), a);
+            for (int j = 0; j < NV; ++j) a = simd::fmadd(simd::load(qf[gi] + 16 * j), load16(krow[t] + 16 * j), a);
           }
         }
         part[t] = a;
       }
-      _mm512_store_ps(s[gi], _mm512_mul_ps(sum16x16(part), _mm512_set1_ps(scale)));
+      simd::store(s[gi], simd::mul(simd::sum16x16(part), simd::set1(scale)));
     }
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1u);
+    const simd::M16 live = simd::first(n);
     for (int64_t gi = 0; gi < g; ++gi) {
-      const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, s[gi]);
-      const float bmax = std::max(m[gi], _mm512_reduce_max_ps(sv));
+      const F16 sv = simd::select(live, simd::load(s[gi]), simd::set1(-std::numeric_limits<float>::infinity()));
+      const float bmax = std::max(m[gi], simd::reduce_max(sv));
       const float c = std::exp(m[gi] - bmax);  // rescales what was accumulated (0 at the start)
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(bmax))));
-      l[gi] = l[gi] * c + _mm512_reduce_add_ps(p);
+      const F16 p = simd::maskz(live, simd::exp(simd::sub(sv, simd::set1(bmax))));
+      l[gi] = l[gi] * c + simd::reduce_add(p);
       m[gi] = bmax;
-      _mm512_store_ps(s[gi], p);
-      __m512 a[NV];
-      for (int j = 0; j < NV; ++j) a[j] = _mm512_mul_ps(_mm512_load_ps(acc[gi] + 16 * j), _mm512_set1_ps(c));
+      simd::store(s[gi], p);
+      F16 a[NV];
+      for (int j = 0; j < NV; ++j) a[j] = simd::mul(simd::load(acc[gi] + 16 * j), simd::set1(c));
       for (int64_t t = 0; t < n; ++t) {
-        const __m512 pt = _mm512_set1_ps(s[gi][t]);
-        for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_load_ps(vf[t] + 16 * j), a[j]);
+        const F16 pt = simd::set1(s[gi][t]);
+        for (int j = 0; j < NV; ++j) a[j] = simd::fmadd(pt, simd::load(vf[t] + 16 * j), a[j]);
       }
-      for (int j = 0; j < NV; ++j) _mm512_store_ps(acc[gi] + 16 * j, a[j]);
+      for (int j = 0; j < NV; ++j) simd::store(acc[gi] + 16 * j, a[j]);
     }
   }
   for (int64_t gi = 0; gi < g; ++gi) {
@@ -165,26 +150,26 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   });
 }
 
-}  // namespace avx512
+}  // namespace vdecode
 
 // False when this path does not cover the case (dtype, head_dim, group size): use the generic one.
 template <typename T>
-static bool decode_avx512(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+static bool decode_simd(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                           torch::Tensor& out) {
-  if constexpr (!avx512::kSupported<T>) {
+  if constexpr (!vdecode::kSupported<T>) {
     return false;
   } else {
     const int64_t d = q.size(2), g = q.size(1) / k_cache.size(0);
-    if (g > avx512::kMaxG || !k_cache.is_contiguous() || !v_cache.is_contiguous()) return false;
+    if (g > vdecode::kMaxG || !k_cache.is_contiguous() || !v_cache.is_contiguous()) return false;
     switch (d) {
-      case 16: avx512::run<1, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 32: avx512::run<2, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 64: avx512::run<4, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 80: avx512::run<5, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 96: avx512::run<6, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 128: avx512::run<8, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 256: avx512::run<16, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 16: vdecode::run<1, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 32: vdecode::run<2, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 64: vdecode::run<4, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 80: vdecode::run<5, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 96: vdecode::run<6, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 128: vdecode::run<8, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 256: vdecode::run<16, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
       default: return false;
     }
   }
