@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.layers.attention.metadata import AttentionMetadata, DecodeBucket, PrefillChunk
@@ -28,24 +29,34 @@ class StepBatch:
 
 
 def _split_buckets(blocks: list[int]) -> list[tuple[int, int]]:
-    """Partition a sorted list into <= _MAX_BUCKETS runs minimising padded blocks + overhead."""
-    n = len(blocks)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(_MAX_BUCKETS + 1)]
-    prev = [[0] * (n + 1) for _ in range(_MAX_BUCKETS + 1)]
-    best[0][0] = 0
-    for k in range(1, _MAX_BUCKETS + 1):
-        for j in range(1, n + 1):
-            for i in range(j):
-                c = best[k - 1][i] + (j - i) * blocks[j - 1] + _BUCKET_OVERHEAD_BLOCKS
-                if c < best[k][j]:
-                    best[k][j], prev[k][j] = c, i
-    k = min(range(1, _MAX_BUCKETS + 1), key=lambda kk: best[kk][n])
-    runs, j = [], n
+    """Partition a sorted list into <= _MAX_BUCKETS runs minimising padded blocks + overhead.
+
+    Only boundaries between distinct values can be optimal splits (moving a split inside a run
+    of equal values to the run's edge never costs more), so the dynamic programme runs over
+    groups of equal values, one vectorised min per bucket: O(buckets x groups^2) in numpy where
+    the exhaustive search over rows was O(buckets x rows^2) Python (~17 ms at 256 rows here)."""
+    vals, counts = np.unique(np.asarray(blocks, dtype=np.int64), return_counts=True)
+    m = len(vals)
+    ends = np.cumsum(counts)
+    starts = ends - counts
+    first, last = np.arange(m)[:, None], np.arange(m)[None, :]
+    # run[a, c]: one bucket over groups a..c, padded to group c's value.
+    run = np.where(first <= last, (ends[None, :] - starts[:, None]) * vals[None, :].astype(np.float64)
+                   + _BUCKET_OVERHEAD_BLOCKS, np.inf)
+    best = np.full(m + 1, np.inf)  # best[a]: cost of groups before a in k buckets
+    best[0] = 0.0
+    bests, prevs = [best], []
+    for _ in range(_MAX_BUCKETS):
+        total = bests[-1][:m, None] + run
+        arg = total.argmin(axis=0)  # the first minimum: lowest split on ties
+        bests.append(np.concatenate(([np.inf], total[arg, np.arange(m)])))
+        prevs.append(arg)
+    k = int(np.argmin([bb[m] for bb in bests[1:]])) + 1
+    runs, c = [], m
     while k > 0:
-        i = prev[k][j]
-        runs.append((i, j))
-        j, k = i, k - 1
+        a = int(prevs[k - 1][c - 1])
+        runs.append((int(starts[a]), int(ends[c - 1])))
+        c, k = a, k - 1
     return runs[::-1]
 
 
@@ -99,6 +110,7 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
         maxb = max(len(t) for t in tables)
         meta.prefill_block_table = torch.tensor([t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32, device=device)
         meta.prefill_info = torch.tensor(info, dtype=torch.int32, device=device)
+        meta.prefill_max_new = max(n for _, n, _ in info)
     return StepBatch(
         request_ids=[states[i].request_id for i in order],
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),

@@ -38,7 +38,9 @@ class AttentionMetadata:
     # Whole decode batch for kernels that read the paged cache directly (rows 0..num_decode_tokens).
     decode_block_table: torch.Tensor | None = None  # [Bd, max_blocks] int32
     decode_seq_lens: torch.Tensor | None = None  # [Bd] int32, including the new token
+    decode_info: torch.Tensor | None = None  # [Bd, 3] int32 as prefill_info; filled by a backend that wants it
     prefills: list[PrefillChunk] = field(default_factory=list)
     # All prefill chunks at once for kernels that read the paged cache directly.
     prefill_block_table: torch.Tensor | None = None  # [C, max_blocks] int32
     prefill_info: torch.Tensor | None = None  # [C, 3] int32: first row, new tokens, cached tokens
+    prefill_max_new: int = 0  # longest chunk's new tokens (sizes a kernel grid without a device read)
