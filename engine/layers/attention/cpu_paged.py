@@ -30,8 +30,8 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
         nd = meta.num_decode_tokens
         if nd == 0:
             return
-        if q.device.type != "cpu":
-            return super().decode(q, kv_cache, meta, scale, out)
+        if q.device.type != "cpu":  # get_backend refuses this; the step built no decode buckets to fall back on
+            raise RuntimeError(f"cpu_paged attention got {q.device} tensors; it runs on CPU only")
         out[:nd] = self.kernel.paged_decode(q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1],
                                             meta.decode_block_table, meta.decode_seq_lens, scale).to(out.dtype)
 
