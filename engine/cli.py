@@ -20,7 +20,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -37,8 +40,8 @@ def main(argv=None) -> int:
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
         if args.chat:

@@ -12,6 +12,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None  # set directly (tests) instead of the memory budget
+    # CUDA: size the pool from what a profiled dummy step leaves of this share of the GPU's
+    # memory (None: use kv_cache_memory_bytes). The dummy step has profile_num_tokens tokens.
+    gpu_memory_utilization: float | None = None
+    profile_num_tokens: int = 2048
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -20,6 +24,8 @@ class CacheConfig:
             raise InvalidRequestError(f"num_blocks must be >= 2, got {self.num_blocks}")
         if self.kv_cache_memory_bytes <= 0:
             raise InvalidRequestError("kv_cache_memory_bytes must be > 0")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     tensor_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
@@ -49,7 +50,10 @@ class LLMEngine:
         self.args = args
         self.model_config: ModelConfig = build_model_config(
             args.model, args.dtype, torch.device(args.device), args.max_model_len, args.served_model_name)
-        cache = CacheConfig(args.block_size, args.enable_prefix_caching, args.kv_cache_memory_bytes, args.num_blocks)
+        on_gpu = torch.device(args.device).type == "cuda" and args.kv_cache_memory_bytes is None
+        cache = CacheConfig(args.block_size, args.enable_prefix_caching, args.kv_cache_memory_bytes or 1 << 30,
+                            args.num_blocks, args.gpu_memory_utilization if on_gpu else None,
+                            args.max_num_batched_tokens)
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len,
                                 args.scheduling_policy)
         executor = make_executor(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device)

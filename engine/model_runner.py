@@ -21,9 +21,10 @@ from engine.runner_state import RunnerRequestState, RunnerStates
 from engine.sampling_metadata import SamplingMetadata
 
 
-def _step_generator(seed: int, step: int) -> torch.Generator:
+def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
     # Seeded by (seed, output position): reproducible whatever the batch, and across preemption.
-    g = torch.Generator()
+    # On the logits' device: a CPU generator cannot draw into CUDA tensors.
+    g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + step) & 0x7FFF_FFFF_FFFF_FFFF)
     return g
 
@@ -56,7 +57,37 @@ class ModelRunner:
         return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * self.mc.head_dim * elem
 
     def num_blocks_for_budget(self) -> int:
-        return self.cc.num_blocks or max(2, self.cc.kv_cache_memory_bytes // self.bytes_per_block())
+        if self.cc.num_blocks:
+            return self.cc.num_blocks
+        budget = self.cc.kv_cache_memory_bytes
+        if self.device.type == "cuda" and self.cc.gpu_memory_utilization is not None:
+            from engine.gpu_memory import kv_budget_from_free_memory
+
+            budget = kv_budget_from_free_memory(self, self.cc.gpu_memory_utilization, self.cc.profile_num_tokens)
+        return max(2, budget // self.bytes_per_block())
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_logit_rows: int = 256) -> None:
+        """One dummy prefill step of `num_tokens` tokens (sequences of at most max_model_len, as
+        the scheduler would batch them) and the logits of a full decode batch, on a pool just big
+        enough for it, which is freed again: its peak memory is a step's."""
+        bs, limit = self.cc.block_size, self.mc.max_model_len
+        lens = [limit] * (num_tokens // limit) + ([num_tokens % limit] if num_tokens % limit else [])
+        states, next_block = [], 0
+        for i, n in enumerate(lens):
+            nb = -(-n // bs)
+            states.append(RunnerRequestState(f"profile-{i}", [0] * n, [], None, list(range(next_block, next_block + nb)), 0))
+            next_block += nb
+        self.init_kv_cache(next_block)
+        batch = build_step_batch(states, lens, bs, self.device, decode_buckets=self.uses_decode_buckets)
+        with forward_context(batch.meta):
+            hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[: min(num_tokens, num_logit_rows)]).float()
+        torch.log_softmax(logits, dim=-1), torch.softmax(logits, dim=-1)  # the sampler's float32 copies
+        del hidden, logits
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+        self.kv_caches, self._kv_buffer = [], None
 
     def init_kv_cache(self, num_blocks: int) -> None:
         shape = (2, self.num_kv_heads_local, num_blocks, self.cc.block_size, self.mc.head_dim)
@@ -109,8 +140,8 @@ class ModelRunner:
         ns = len(sample_idx)
         if ns:
             sts = [by_id[batch.request_ids[k]] for k in sample_idx]
-            gens = [None if s.sampling_params.seed is None else _step_generator(s.sampling_params.seed, len(s.output_token_ids))
-                    for s in sts]
+            gens = [None if s.sampling_params.seed is None
+                    else _step_generator(s.sampling_params.seed, len(s.output_token_ids), logits.device) for s in sts]
             md = SamplingMetadata.build(
                 [s.sampling_params for s in sts], [s.prompt_token_ids for s in sts], [s.output_token_ids for s in sts],
                 gens, [self._eos] * len(sts), self.device)

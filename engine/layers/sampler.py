@@ -145,6 +145,9 @@ def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         q[torch.tensor(shared, device=probs.device)] = noise
     for i, g in enumerate(md.generators):
         if g is not None and not greedy[i]:
+            if g.device.type != probs.device.type:  # torch's own error names neither the row nor the fix
+                raise ValueError(f"row {i}: generator on {g.device}, logits on {probs.device}; "
+                                 "seeded generators must live on the logits' device")
             q[i].exponential_(generator=g)
     # q == 0 would turn a zero-probability token into 0/0 = nan (which argmax picks).
     return argmax_rows(probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)))
