@@ -1,0 +1,136 @@
+"""GPU benchmark: the engine against transformers' static batching on the same GPU, in one run.
+
+For each model (random weights of a real shape, built and saved by the script: the embedded
+SmolLM2-135M's shape and a ~1B Llama) and each batch size B: B requests of --prompt-len
+token ids, greedy, exactly --output-len new tokens each (ignore_eos), all arriving at once.
+Figures: output tokens/s over the whole run, and TTFT (engine: mean over requests of the time
+from arrival to their first token; transformers: one batched generate of a single token).
+Each engine attention backend named in --backends runs the same workload.
+
+    python -m bench.bench_gpu --out bench_gpu.json      # needs CUDA and a tokenizer (see bench/random_llama.py)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def _prompts(b: int, plen: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (b, plen), generator=g).tolist()
+
+
+def run_engine(llm, prompts: list[list[int]], new: int) -> dict:
+    from engine import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    t0 = time.perf_counter()
+    for p in prompts:
+        eng.add_request(None, {"prompt_token_ids": p}, params)
+    first: dict[str, float] = {}
+    tokens = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.outputs and out.outputs[0].token_ids and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - t0
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    assert tokens == len(prompts) * new, (tokens, len(prompts) * new)
+    return {"tok_s": tokens / wall, "ttft_ms": 1e3 * statistics.mean(first.values()), "wall_s": wall}
+
+
+@torch.inference_mode()
+def run_hf(model, prompts: list[list[int]], new: int) -> dict:
+    ids = torch.tensor(prompts, device="cuda")
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    gen(2)  # warm-up at this batch size
+    ttft = gen(1)
+    wall = gen(new)
+    return {"tok_s": len(prompts) * new / wall, "ttft_ms": 1e3 * ttft, "wall_s": wall}
+
+
+def bench_model(shape: str, args) -> list[dict]:
+    import os
+
+    from bench.random_llama import save_random_llama
+    from engine import LLM
+
+    rows = []
+    with tempfile.TemporaryDirectory() as path:
+        dtype = getattr(torch, args.dtype)
+        hf, tok = save_random_llama(path, shape, dtype)
+        nparams = sum(p.numel() for p in hf.parameters())
+        for backend in args.backends:
+            os.environ["ORBITAL_ATTENTION_BACKEND"] = backend
+            llm = LLM(path, dtype=args.dtype, device="cuda", max_num_seqs=max(args.batches),
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+            num_blocks = llm.engine.core.executor.num_blocks
+            run_engine(llm, _prompts(4, args.prompt_len, len(tok), 99), 8)  # compile/warm the kernels
+            for b in args.batches:
+                r = run_engine(llm, _prompts(b, args.prompt_len, len(tok), b), args.output_len)
+                rows.append({"model": shape, "params": nparams, "system": f"engine ({backend})", "batch": b,
+                             "kv_blocks": num_blocks, **r})
+                print(json.dumps(rows[-1]), flush=True)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        if not args.skip_hf:
+            for b in args.batches:
+                r = run_hf(hf, _prompts(b, args.prompt_len, len(tok), b), args.output_len)
+                rows.append({"model": shape, "params": nparams, "system": "transformers static", "batch": b, **r})
+                print(json.dumps(rows[-1]), flush=True)
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | system | batch | output tok/s | mean TTFT (ms) |", "|---|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} ({r['params'] / 1e6:.0f}M) | {r['system']} | {r['batch']} | "
+                     f"{r['tok_s']:,.0f} | {r['ttft_ms']:,.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
+    ap.add_argument("--backends", nargs="+", default=["triton_paged", "reference"])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="engine share (transformers' model stays loaded)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    rows = [r for m in args.models for r in bench_model(m, args)]
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
