@@ -9,6 +9,13 @@ bf16 1.1-1.4x at 16-256 rows (none at 2048), float32 2-2.9x (`python -m bench.be
 oneDNN builds a kernel per (weight shape, row count), ~1-2 ms each, so row counts are rounded up
 to a few buckets (padding rows are zeros and sliced off): a serving run sees every batch size.
 ORBITAL_PACKED_GEMM=0 turns packing off (plain `F.linear`).
+
+At a few rows (decode at low concurrency) a linear only streams its weight once, and oneDNN's
+GEMM stays far below the memory bandwidth: over a SmolLM2 decode step's 121 linears at one row,
+float32, 44 ms against 22 ms for the C++ `small_linear` op reading the plain weight at ~20 GB/s
+(`python -m bench.bench_packed_gemm`). So where that op has a vector path each packed weight keeps
+its plain tensor too (`.plain`; twice the weight memory, none for a tied LM head, whose plain
+weight is the embedding) and rows <= SMALL_ROWS go through it. ORBITAL_SMALL_LINEAR=0 turns it off.
 """
 from __future__ import annotations
 
@@ -29,9 +36,26 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+SMALL_ROWS = 4
+
+
+def small_linear_ops():
+    """The C++ ops when their few-row linear has a vector path here, else None."""
+    if os.environ.get("ORBITAL_SMALL_LINEAR", "1") == "0":
+        return None
+    from engine.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    return ops if ops is not None and ops.isa() != "generic" else None
+
+
 def pack_weight(w: torch.Tensor) -> nn.Parameter:
-    """A [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor)."""
-    return nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None), requires_grad=False)
+    """A [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor); `.plain` holds the
+    plain weight for the few-row path where it runs (else None)."""
+    plain = w.detach().contiguous()
+    packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(plain, None), requires_grad=False)
+    packed.plain = plain if small_linear_ops() is not None else None
+    return packed
 
 
 def row_bucket(m: int) -> int:
@@ -42,11 +66,18 @@ def row_bucket(m: int) -> int:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, or the packed oneDNN GEMM when `weight` was packed by `pack_weight`."""
-    if not weight.is_mkldnn:
-        return F.linear(x, weight, bias)
+    """`F.linear`, or the packed oneDNN GEMM when `weight` was packed by `pack_weight`; the
+    few-row C++ op at up to SMALL_ROWS rows (CPU)."""
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
+    plain = getattr(weight, "plain", None) if weight.is_mkldnn else weight
+    if plain is not None and 0 < m <= SMALL_ROWS and plain.device.type == "cpu":
+        ops = small_linear_ops()
+        y = x2.new_empty(m, plain.shape[0])
+        if ops is not None and ops.small_linear(x2, plain, bias, y):
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
     mb = row_bucket(m)
     if mb != m:
         padded = x2.new_empty(mb, x2.shape[1])

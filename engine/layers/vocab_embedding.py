@@ -58,7 +58,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """After loading (CPU, see packed_gemm). A tied weight stays plain for the embedding
         lookup and the head gets a packed copy; an untied one is replaced."""
         if self.tied:
-            self.packed_weight = pack_weight(self.weight).data  # a tensor, not a second registered parameter
+            packed = pack_weight(self.weight)
+            self.packed_weight = packed.data  # a tensor, not a second registered parameter
+            self.packed_weight.plain = None if packed.plain is None else self.weight.data  # no second plain copy
         else:
             self.weight = pack_weight(self.weight)
 

@@ -1,4 +1,5 @@
 // The CPU ops module: paged decode and prefill attention (paged_decode.cpp, prefill_attention.cpp),
+// the few-row linear of low-concurrency decode (small_linear.cpp),
 // the paged cache write (kv_write.cpp), the greedy row argmax (argmax.cpp) and the fused
 // RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), built once per source version
 // by engine/kernels/cpu_ops.py.
@@ -14,6 +15,7 @@ bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
                        torch::Tensor info, double scale, torch::Tensor out);
 bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 bool silu_and_mul(torch::Tensor x, torch::Tensor out);
+bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 
 // Which vector path this build has (benchmarks and tests report it).
@@ -37,5 +39,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "in place: residual += x, x = weight * rmsnorm(residual); false if not applicable");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over [gate | up] rows; false if not applicable");
   m.def("rotary", &rotary, "in place neox rotary embedding of the first heads of each row; false if not applicable");
+  m.def("small_linear", &small_linear, "out = x . w^T + bias for a few rows (float32/bf16 weights); false if not applicable");
   m.def("isa", &isa, "vector path compiled in");
 }
