@@ -24,6 +24,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads)
+                  enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
+                  enforce_eager=args.enforce_eager)
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:

@@ -33,13 +33,15 @@ class Executor(abc.ABC):
 class InProcessExecutor(Executor):
     """tp=1: the model runner lives in this process; no Ray hop per step."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu"):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
+                 cuda_graph_max_batch: int = 0):
         from engine.model_runner import ModelRunner
 
-        self.runner = ModelRunner(model_config, cache_config, device)
+        self.runner = ModelRunner(model_config, cache_config, device, cuda_graph_max_batch)
         self.runner.load_model()
         self.num_blocks = self.runner.num_blocks_for_budget()
         self.runner.init_kv_cache(self.num_blocks)
+        self.runner.capture_cuda_graphs()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
@@ -49,9 +51,9 @@ class InProcessExecutor(Executor):
 
 
 def make_executor(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
-                  device: str | torch.device = "cpu") -> Executor:
+                  device: str | torch.device = "cpu", cuda_graph_max_batch: int = 0) -> Executor:
     if parallel.tensor_parallel_size == 1:
-        return InProcessExecutor(model_config, cache_config, device)
+        return InProcessExecutor(model_config, cache_config, device, cuda_graph_max_batch)
     try:
         from workers.ray_executor import RayExecutor
     except ImportError as e:  # workers/ needs ray

@@ -12,6 +12,7 @@ import torch
 
 from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
+from engine.cuda_graph import MAX_GRAPH_BATCH
 from engine.errors import InvalidRequestError
 from engine.executor import make_executor
 from engine.input_processor import InputProcessor, PromptInput
@@ -41,6 +42,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     served_model_name: str | None = None
     num_threads: int | None = None
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
 
 
 class LLMEngine:
@@ -56,7 +58,9 @@ class LLMEngine:
                             args.max_num_batched_tokens)
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len,
                                 args.scheduling_policy)
-        executor = make_executor(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device)
+        graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
+        executor = make_executor(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device,
+                                 min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0)
         self.core = EngineCore(sched, cache, executor)
         from transformers import AutoTokenizer
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attn_metadata_builder import build_step_batch
+from engine.attn_metadata_builder import StepBatch, build_step_batch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import get_tp_group
@@ -30,8 +30,12 @@ def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generat
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu"):
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu",
+                 cuda_graph_max_batch: int = 0):
         self.mc, self.cc = model_config, cache_config
+        # > 0: decode steps of up to this many rows replay CUDA graphs (CUDA, tp=1, paged kernel).
+        self.cuda_graph_max_batch = cuda_graph_max_batch
+        self.graphs = None
         self.device = torch.device(device)
         self.tp = get_tp_group()
         self.states = RunnerStates()
@@ -90,10 +94,28 @@ class ModelRunner:
         self.kv_caches, self._kv_buffer = [], None
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        shape = (2, self.num_kv_heads_local, num_blocks, self.cc.block_size, self.mc.head_dim)
+        # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.
+        shape = (2, self.num_kv_heads_local, num_blocks + (1 if self.cuda_graph_max_batch else 0),
+                 self.cc.block_size, self.mc.head_dim)
         self.kv_caches, self._kv_buffer = allocate_kv_caches(self.mc.num_layers, shape, self.mc.dtype, self.device)
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
+
+    def capture_cuda_graphs(self) -> None:
+        """After init_kv_cache. Only the Triton paged kernel reads fixed-shape metadata; tp > 1
+        all-reduces through a process group a graph cannot hold."""
+        if not self.cuda_graph_max_batch or self.device.type != "cuda" or self.tp.size != 1:
+            return
+        if self.model.attention_layers()[0].backend.name != "triton_paged":
+            return
+        from engine.cuda_graph import DecodeGraphs
+        from engine.decode_inputs import DecodeInputs
+
+        max_blocks = -(-self.mc.max_model_len // self.cc.block_size)
+        sink = self.kv_caches[0].shape[2] - 1
+        inputs = DecodeInputs(self.cuda_graph_max_batch, max_blocks, self.cc.block_size, sink, self.device)
+        self.graphs = DecodeGraphs(self.model, inputs, self.cuda_graph_max_batch)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -102,10 +124,16 @@ class ModelRunner:
             return ModelRunnerOutput() if self.tp.rank == 0 else None
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
-        batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in rids], self.cc.block_size, self.device,
-                                 decode_buckets=self.uses_decode_buckets)
-        with forward_context(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
+        counts = [so.num_scheduled_tokens[r] for r in rids]
+        if self.graphs is not None and self.graphs.fits(counts):
+            hidden = self.graphs.run(states)
+            rows = list(range(len(rids)))
+            batch = StepBatch(rids, self.graphs.inputs.ids[: len(rids)], None, None, rows, rows, counts)
+        else:
+            batch = build_step_batch(states, counts, self.cc.block_size, self.device,
+                                     decode_buckets=self.uses_decode_buckets)
+            with forward_context(batch.meta):
+                hidden = self.model(batch.input_ids, batch.positions)
         by_id = {r: self.states[r] for r in batch.request_ids}
         # Rows that produce a token: the last scheduled token reaches the end of the sequence.
         sample_idx = [k for k, r in enumerate(batch.request_ids)
