@@ -5,7 +5,8 @@ SmolLM2-135M's shape and a ~1B Llama) and each batch size B: B requests of --pro
 token ids, greedy, exactly --output-len new tokens each (ignore_eos), all arriving at once.
 Figures: output tokens/s over the whole run, and TTFT (engine: mean over requests of the time
 from arrival to their first token; transformers: one batched generate of a single token).
-Each engine attention backend named in --backends runs the same workload.
+Each engine configuration named in --backends (an attention backend, `:eager` for no CUDA
+graphs) runs the same workload.
 
     python -m bench.bench_gpu --out bench_gpu.json      # needs CUDA and a tokenizer (see bench/random_llama.py)
 """
@@ -77,17 +78,22 @@ def bench_model(shape: str, args) -> list[dict]:
         dtype = getattr(torch, args.dtype)
         hf, tok = save_random_llama(path, shape, dtype)
         nparams = sum(p.numel() for p in hf.parameters())
-        for backend in args.backends:
+        for config in args.backends:
+            backend, _, mode = config.partition(":")
             os.environ["ORBITAL_ATTENTION_BACKEND"] = backend
+            t0 = time.perf_counter()
             llm = LLM(path, dtype=args.dtype, device="cuda", max_num_seqs=max(args.batches),
-                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=mode == "eager",
                       gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+            start_s = time.perf_counter() - t0  # load, pool sizing and graph capture
             num_blocks = llm.engine.core.executor.num_blocks
-            run_engine(llm, _prompts(4, args.prompt_len, len(tok), 99), 8)  # compile/warm the kernels
+            # Warm-up at the largest batch: kernels compile and the allocator grows to a full
+            # prefill step's size before timing (else the first timed batch-256 TTFT paid for it).
+            run_engine(llm, _prompts(max(args.batches), args.prompt_len, len(tok), 99), 8)
             for b in args.batches:
                 r = run_engine(llm, _prompts(b, args.prompt_len, len(tok), b), args.output_len)
-                rows.append({"model": shape, "params": nparams, "system": f"engine ({backend})", "batch": b,
-                             "kv_blocks": num_blocks, **r})
+                rows.append({"model": shape, "params": nparams, "system": f"engine ({config})", "batch": b,
+                             "kv_blocks": num_blocks, "start_s": start_s, **r})
                 print(json.dumps(rows[-1]), flush=True)
             del llm
             gc.collect()
@@ -115,7 +121,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
-    ap.add_argument("--backends", nargs="+", default=["triton_paged", "reference"])
+    ap.add_argument("--backends", nargs="+", default=["triton_paged", "triton_paged:eager"],
+                    help="engine configurations: backend[:eager] (eager: no CUDA graphs)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
