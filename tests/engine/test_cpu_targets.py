@@ -1,0 +1,52 @@
+"""The C++ ops' build targets: chosen from the CPU's flags, keyed per target, and every lower
+target this CPU can run passes the kernel tests too (an AVX-512 CI machine also checks the AVX2
+and generic builds; an AVX2 one the generic build), each in its own process."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels import cpu_ops
+from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, supported_targets
+
+LOWER = [t for t in ("avx2", "generic") if t in supported_targets()[1:]]  # below this CPU's best
+KERNEL_TESTS = ["tests/engine/test_attention_backends.py", "tests/engine/test_fused_elementwise.py",
+                "tests/engine/test_small_linear.py", "tests/engine/test_sampler.py"]
+
+
+def test_targets_follow_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: {"avx2", "fma", "f16c", "sse4_2"})
+    assert supported_targets() == ["avx2", "generic"]
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: set(TARGETS["avx512_bf16"][1]))
+    assert supported_targets() == ["avx512_bf16", "avx512", "avx2", "generic"]
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: {"sse2"})
+    assert supported_targets() == ["generic"]
+    monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "aarch64")
+    assert supported_targets() == ["generic"]
+
+
+def test_forced_target_must_be_one_this_cpu_runs(monkeypatch, caplog):
+    best = supported_targets()[0]
+    monkeypatch.setenv("ORBITAL_CPU_ISA", "generic")
+    assert build_target() == "generic"
+    monkeypatch.setenv("ORBITAL_CPU_ISA", "avx9000")
+    assert build_target() == best and "not available" in caplog.text
+
+
+def test_this_process_runs_the_best_target_and_its_build_is_keyed_by_it():
+    mod = load_cpu_ops()
+    assert mod is not None and mod.isa() == build_target()
+    assert any(d.name.startswith(f"cpu_ops-{mod.isa()}-") for d in Path(mod.__file__).parents[1].iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", LOWER)
+def test_lower_target_passes_the_kernel_tests(target):
+    env = {**os.environ, "ORBITAL_CPU_ISA": target}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
