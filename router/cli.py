@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument("--device", default="cpu")
-    s.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache per replica (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=128)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -61,6 +63,7 @@ def config_from_args(a: argparse.Namespace):
     return AppConfig(
         model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, device=a.device,
         tensor_parallel_size=a.tp, num_replicas=a.replicas, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        gpu_memory_utilization=a.gpu_memory_utilization,
         max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads or max(1, int(cpus)),
         cpus_per_worker=cpus, max_queued_requests=a.max_queued_requests,

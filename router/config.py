@@ -20,7 +20,10 @@ class AppConfig(BaseModel):
     device: str = Field("cpu", description="cpu | cuda.")
     tensor_parallel_size: int = Field(1, ge=1, description="Workers per engine replica (a TP group).")
     num_replicas: int = Field(1, ge=1, description="Engine replicas behind the router.")
-    kv_cache_memory_bytes: int = Field(1 << 30, gt=0, description="KV cache budget per replica.")
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV cache budget per replica (default: 1 GiB on CPU; on CUDA the "
+        "gpu_memory_utilization share of the GPU's memory left after the weights and a profiled step).")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: share of GPU memory a replica may use.")
     max_model_len: int | None = Field(None, description="Context length (default: the model's).")
     max_num_seqs: int = Field(128, ge=1, description="Sequences per engine step.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step.")
@@ -83,7 +86,7 @@ class AppConfig(BaseModel):
             "model": self.model, "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
             "enable_prefix_caching": self.enable_prefix_caching, "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens, "max_model_len": self.max_model_len,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "gpu_memory_utilization": self.gpu_memory_utilization,
             "tensor_parallel_size": self.tensor_parallel_size, "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
         }

@@ -141,6 +141,20 @@ def test_config_and_yaml():
     assert AppConfig(**app["args"]).model_name == "SmolLM2-135M-Instruct"
 
 
+def test_kv_budget_defaults_to_gpu_memory_share_on_cuda():
+    from engine.llm_engine import EngineArgs
+
+    args = AppConfig().engine_args()
+    assert args["kv_cache_memory_bytes"] is None and args["gpu_memory_utilization"] == 0.9
+    EngineArgs(**args)  # the replica's engine takes them as they are (1 GiB on CPU)
+    assert AppConfig(kv_cache_memory_bytes=1 << 28).engine_args()["kv_cache_memory_bytes"] == 1 << 28
+    for bad in (0, 1.5):
+        with pytest.raises(ValidationError):
+            AppConfig(gpu_memory_utilization=bad)
+    gpu = yaml.safe_load((ROOT / "deploy" / "serve-cluster.yaml").read_text())["applications"][0]["args"]
+    assert AppConfig(**gpu).engine_args()["gpu_memory_utilization"] == 0.9
+
+
 def test_engine_deployment_options():
     from router.app import engine_deployment_options
 
