@@ -71,10 +71,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
     plain = getattr(weight, "plain", None) if weight.is_mkldnn else weight
-    if plain is not None and 0 < m <= SMALL_ROWS and plain.device.type == "cpu":
-        ops = small_linear_ops()
+    ops = small_linear_ops() if plain is not None and 0 < m <= SMALL_ROWS and plain.device.type == "cpu" else None
+    if ops is not None:
         y = x2.new_empty(m, plain.shape[0])
-        if ops is not None and ops.small_linear(x2, plain, bias, y):
+        if ops.small_linear(x2, plain, bias, y):
             return y.reshape(*x.shape[:-1], y.shape[-1])
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
