@@ -16,11 +16,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from engine.kernels.cpu_ops import cpu_flags  # one reader of /proc/cpuinfo
+
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
