@@ -2,8 +2,8 @@
 ranks 1.. as Ray actors) against in-process, and tokens/s at several tensor-parallel degrees,
 on the same batch.
 
-    python -m workers.bench_tp                          # SmolLM2-135M-shaped random Llama, tp 1/2/3
-    python -m workers.bench_tp --model default --tp 3   # the embedded SmolLM2 itself (9 heads: tp 1 or 3)
+    python -m bench.bench_tp                            # SmolLM2-135M-shaped random Llama, tp 1/2/3
+    python -m bench.bench_tp --model default --tp 3     # the embedded SmolLM2 itself (9 heads: tp 1 or 3)
 
 SmolLM2 has 9 heads and 3 KV heads, so it does not split over 2 ranks; the default model is
 a random Llama of the same size (hidden 576, 30 layers, vocab 49152) with 12 heads and
@@ -161,7 +161,8 @@ def bench_config(args, tp, threads):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_tp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None,
                     help="local HF dir or .gguf, 'default' for the embedded SmolLM2 (default: SmolLM2-shaped random Llama)")
     ap.add_argument("--dtype", default="float32")

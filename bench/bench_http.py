@@ -1,7 +1,7 @@
 """HTTP throughput vs the offline engine on the same seeded workload, in one run.
 
-    python -m router.bench_http                       # mixed workload, 64 requests, concurrency 32
-    python -m router.bench_http --num-requests 32 --max-output 64 --stream
+    python -m bench.bench_http                       # mixed workload, 64 requests, concurrency 32
+    python -m bench.bench_http --num-requests 32 --max-output 64 --stream
 
 * Offline: `LLM.generate` over every prompt with max_num_seqs = the HTTP concurrency (the same
   batch bound) and ignore_eos, so both sides produce exactly the same tokens.
@@ -222,7 +222,7 @@ def cpu_timed(fn, exclude: set[int]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m router.bench_http", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.bench_http", description=__doc__.split("\n")[0])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-output", type=int, default=128, help="cap on each request's output tokens")
