@@ -17,10 +17,13 @@ from typing import AsyncIterator
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.input_processor import PromptInput
-from engine.llm_engine import EngineArgs, LLMEngine
+from engine.engine_args import EngineArgs
+from engine.executor import ExecutorFactory, in_process_executor
+from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -36,8 +39,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None):
-        self.engine = engine or LLMEngine(args or EngineArgs())
+    """`executor_factory`: see LLMEngine (the caller picks the executor; Ray's for tp>1)."""
+
+    def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None,
+                 executor_factory: ExecutorFactory = in_process_executor) -> None:
+        self.engine = engine or LLMEngine(args or EngineArgs(), executor_factory)
+        # Replaced (never mutated) by the step thread after every step: any thread may read it.
+        self.snapshot: EngineStats = self.engine.core.snapshot()
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[tuple] = []  # ("add", reqs) | ("abort", ids) | ("finish", ids)
@@ -74,7 +82,7 @@ class AsyncEngine:
     async def generate_tokens(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                               priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[EngineCoreOutput]:
         self._check_alive()
-        reqs = self.engine.inputs.make_requests(request_id, self.engine.inputs._check_ids(prompt_token_ids),
+        reqs = self.engine.inputs.make_requests(request_id, self.engine.inputs.check_token_ids(prompt_token_ids),
                                                 params, priority, arrival_time)
         children = [r.request_id for r in reqs]
         stream = self._open(request_id, children)
@@ -96,8 +104,8 @@ class AsyncEngine:
         self._submit(("abort", request_id, token_children))
 
     def stats(self) -> dict:
-        with self._lock:
-            s = dict(self.engine.stats())
+        """The latest snapshot as a dict, plus the loop's own figures."""
+        s = self.snapshot.as_dict()
         s["num_steps_loop"] = self.step_count
         s["dead"] = self._dead is not None
         return s
@@ -173,6 +181,8 @@ class AsyncEngine:
                     self._handle(msg)
                 if self.engine.core.has_unfinished_requests():
                     self._step()
+                elif inbox:  # an abort or finish with no step after it: publish the freed KV
+                    self.snapshot = self.engine.core.snapshot()
         except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
             log.exception("engine loop died")
             self._dead = e
@@ -190,10 +200,7 @@ class AsyncEngine:
         eng = self.engine
         if kind == "add_text":
             _, rid, text, ids, params, reqs = msg
-            eng.outputs.add_request(rid, text, ids, params, [r.request_id for r in reqs])
-            eng._children[rid] = [r.request_id for r in reqs]
-            for r in reqs:
-                eng.core.add_request(r)
+            eng.add_prepared(rid, text, ids, params, reqs)
         elif kind == "add_tokens":
             for r in msg[1]:
                 eng.core.add_request(r)
@@ -210,6 +217,7 @@ class AsyncEngine:
         eng = self.engine
         core_outputs = eng.core.step()
         self.step_count += 1
+        self.snapshot = eng.core.snapshot()
         text_side, now = [], time.monotonic()
         with self._lock:
             for co in core_outputs:
@@ -227,9 +235,7 @@ class AsyncEngine:
                         stream.put(_DONE)
         if not text_side:
             return
-        request_outputs, stop_ids = eng.outputs.process_outputs(text_side)
-        if stop_ids:
-            eng.core.finish_requests(stop_ids, RequestStatus.FINISHED_STOPPED)
+        request_outputs = eng.process_core_outputs(text_side)
         with self._lock:
             for out in request_outputs:
                 out.metrics.setdefault("step_time", now)
@@ -238,5 +244,3 @@ class AsyncEngine:
                     stream.put(out)
                     if out.finished:
                         stream.put(_DONE)
-                if out.finished:
-                    eng._children.pop(out.request_id, None)

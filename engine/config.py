@@ -1,21 +1,23 @@
-"""Engine configuration: frozen dataclasses checked at construction."""
+"""Engine configuration: frozen dataclasses checked at construction. Defaults shared with the
+user-facing settings come from EngineArgs (one place for each default)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int = 1 << 30
+    block_size: int = EngineArgs.block_size
+    enable_prefix_caching: bool = EngineArgs.enable_prefix_caching
+    kv_cache_memory_bytes: int = CPU_KV_CACHE_BYTES
     num_blocks: int | None = None  # set directly (tests) instead of the memory budget
     # CUDA: size the pool from what a profiled dummy step leaves of this share of the GPU's
     # memory (None: use kv_cache_memory_bytes). The dummy step has profile_num_tokens tokens.
     gpu_memory_utilization: float | None = None
-    profile_num_tokens: int = 2048
+    profile_num_tokens: int = EngineArgs.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -30,10 +32,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = EngineArgs.max_num_seqs
+    max_num_batched_tokens: int = EngineArgs.max_num_batched_tokens
     max_model_len: int = 8192
-    policy: str = "fcfs"  # or "priority"
+    policy: str = EngineArgs.scheduling_policy  # or "priority"
     long_prefill_token_threshold: int = 0  # 0: no cap per request per step
 
     def __post_init__(self) -> None:
@@ -47,11 +49,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    rank: int = 0
+    tensor_parallel_size: int = EngineArgs.tensor_parallel_size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be >= 1")
-        if not 0 <= self.rank < self.tensor_parallel_size:
-            raise InvalidRequestError(f"rank {self.rank} outside tp={self.tensor_parallel_size}")

@@ -7,7 +7,6 @@ padded graph never touches a live sequence's cache.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.layers.attention.metadata import AttentionMetadata

@@ -20,6 +20,3 @@ class PromptTooLongError(InvalidRequestError):
 class EngineDeadError(OrbitalError, RuntimeError):
     """The engine (or one of its workers) died; requests in flight are failed. HTTP 503."""
 
-
-class RequestAbortedError(OrbitalError):
-    """The request was aborted (client gone, timeout, shutdown)."""

@@ -1,16 +1,19 @@
 """The executor interface the engine calls once per step, and the in-process one (tp=1).
 
-The Ray executor for tp>1 lives in workers/ (the engine never imports ray) and is chosen by
-`make_executor` through an import only when tensor_parallel_size > 1.
+The engine never chooses a multi-process executor itself: whoever builds the engine passes an
+`ExecutorFactory` (the Ray one for tp>1 is `workers.make_executor`), as Ray Serve LLM injects
+its engine class. The default factory runs tp=1 in this process and refuses tp>1.
 """
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import torch
 
 from engine.config import CacheConfig, ParallelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.errors import InvalidRequestError
 from engine.model_config import ModelConfig
 
 
@@ -50,12 +53,15 @@ class InProcessExecutor(Executor):
         return self.runner.bytes_per_block()
 
 
-def make_executor(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
-                  device: str | torch.device = "cpu", cuda_graph_max_batch: int = 0) -> Executor:
-    if parallel.tensor_parallel_size == 1:
-        return InProcessExecutor(model_config, cache_config, device, cuda_graph_max_batch)
-    try:
-        from workers.ray_executor import RayExecutor
-    except ImportError as e:  # workers/ needs ray
-        raise ImportError(f"tensor_parallel_size > 1 needs the Ray executor (workers/): {e}") from e
-    return RayExecutor(model_config, cache_config, parallel, device)
+# (model config, cache config, parallel config, device, CUDA-graph batch bound) -> executor
+ExecutorFactory = Callable[[ModelConfig, CacheConfig, ParallelConfig, "str | torch.device", int], Executor]
+
+
+def in_process_executor(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
+                        device: str | torch.device = "cpu", cuda_graph_max_batch: int = 0) -> Executor:
+    """The default ExecutorFactory: tp=1 only."""
+    if parallel.tensor_parallel_size != 1:
+        raise InvalidRequestError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} needs an executor that spans processes: "
+            "build the engine with workers.make_executor (or use workers.LLM offline)")
+    return InProcessExecutor(model_config, cache_config, device, cuda_graph_max_batch)

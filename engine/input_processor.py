@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_config import ModelConfig
-from engine.request import Request
+from engine.request import Request, child_request_ids
 from engine.sampling_params import SamplingParams
 
 PromptInput = str | dict | Sequence[int]
@@ -19,7 +19,7 @@ class InputProcessor:
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._check_ids(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), self.check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -29,10 +29,10 @@ class InputProcessor:
                 raise InvalidRequestError("prompt is empty", param="prompt")
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)):
-            return None, self._check_ids(prompt)
+            return None, self.check_token_ids(prompt)
         raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
 
-    def _check_ids(self, ids: Any) -> list[int]:
+    def check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
             raise InvalidRequestError("prompt_token_ids must be a non-empty list of integers", param="prompt")
         v = self.mc.vocab_size
@@ -55,8 +55,8 @@ class InputProcessor:
         text = self.apply_chat_template(messages, **kwargs)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+    def check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """Raises PromptTooLongError unless prompt + output fit the context; returns max_tokens."""
         p, limit = len(prompt_ids), self.mc.max_model_len
         if p >= limit:
             raise PromptTooLongError(
@@ -68,14 +68,18 @@ class InputProcessor:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{p + max_tokens} tokens ({p} in the prompt, {max_tokens} for the completion). "
                 "Reduce the prompt or max_tokens.", param="max_tokens")
+        return max_tokens
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+        max_tokens = self.check_lengths(prompt_ids, params)
         eos = self.mc.eos_token_ids
         reqs = []
-        for i in range(params.n):
+        for i, rid in enumerate(child_request_ids(request_id, params.n)):
             sp = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             if len(eos) > 1 and not sp.ignore_eos:  # extra EOS ids (e.g. Llama 3) stop like EOS
                 sp = dataclasses.replace(sp, stop_token_ids=list(dict.fromkeys(sp.stop_token_ids + list(eos[1:]))))
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # Siblings share prompt blocks through the hash map even with prefix caching off.
             salt = None if self.prefix_caching or params.n == 1 else f"n:{request_id}"
             kw = {} if arrival_time is None else {"arrival_time": arrival_time}

@@ -5,17 +5,21 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from engine.engine_args import EngineArgs
+from engine.executor import ExecutorFactory, in_process_executor
 from engine.input_processor import PromptInput
-from engine.llm_engine import EngineArgs, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """Batch generation with continuous batching. `model=None` is the embedded SmolLM2-135M-Instruct."""
+    """Batch generation with continuous batching. `model=None` is the embedded SmolLM2-135M-Instruct.
+    tensor_parallel_size > 1 needs `workers.LLM` (or executor_factory=workers.make_executor)."""
 
-    def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+    def __init__(self, model: str | None = None, executor_factory: ExecutorFactory = in_process_executor,
+                 **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs), executor_factory)
 
     @property
     def tokenizer(self):

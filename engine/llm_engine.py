@@ -6,7 +6,6 @@ executor, token ids) and the output processor (detokenize, stop strings, aggrega
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
@@ -14,52 +13,34 @@ from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.cuda_graph import MAX_GRAPH_BATCH
 from engine.errors import InvalidRequestError
-from engine.executor import make_executor
+from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
+from engine.executor import ExecutorFactory, in_process_executor
 from engine.input_processor import InputProcessor, PromptInput
 from engine.model_config import ModelConfig, build_model_config
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.request import RequestStatus
+from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    """Everything a user sets; `build_*` turn it into the frozen inner configs."""
-
-    model: str | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    tensor_parallel_size: int = 1
-    scheduling_policy: str = "fcfs"
-    served_model_name: str | None = None
-    num_threads: int | None = None
-    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
-
-
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    """`executor_factory` builds the executor: the in-process one by default (tp=1); whoever
+    builds a tp>1 engine passes one that spans processes (workers.make_executor)."""
+
+    def __init__(self, args: EngineArgs, executor_factory: ExecutorFactory = in_process_executor):
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args
         self.model_config: ModelConfig = build_model_config(
             args.model, args.dtype, torch.device(args.device), args.max_model_len, args.served_model_name)
         on_gpu = torch.device(args.device).type == "cuda" and args.kv_cache_memory_bytes is None
-        cache = CacheConfig(args.block_size, args.enable_prefix_caching, args.kv_cache_memory_bytes or 1 << 30,
+        cache = CacheConfig(args.block_size, args.enable_prefix_caching, args.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES,
                             args.num_blocks, args.gpu_memory_utilization if on_gpu else None,
                             args.max_num_batched_tokens)
         sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len,
                                 args.scheduling_policy)
         graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
-        executor = make_executor(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device,
+        executor = executor_factory(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device,
                                  min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0)
         self.core = EngineCore(sched, cache, executor)
         from transformers import AutoTokenizer
@@ -80,12 +61,17 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         text, ids = self.inputs.tokenize(prompt)
         reqs = self.inputs.make_requests(request_id, ids, params, priority)
+        self.add_prepared(request_id, prompt_text or text, ids, params, reqs)
+        return request_id
+
+    def add_prepared(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
+                     params: SamplingParams, reqs: list[Request]) -> None:
+        """Adds a request already validated and expanded by `inputs.make_requests`."""
         child_ids = [r.request_id for r in reqs]
-        self.outputs.add_request(request_id, prompt_text or text, ids, params, child_ids)
+        self.outputs.add_request(request_id, prompt_text, prompt_ids, params, child_ids)
         self._children[request_id] = child_ids
         for r in reqs:
             self.core.add_request(r)
-        return request_id
 
     def abort_request(self, request_id: str) -> None:
         children = self._children.pop(request_id, [])
@@ -93,7 +79,10 @@ class LLMEngine:
         self.core.abort_requests(children)
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
+        return self.process_core_outputs(self.core.step())
+
+    def process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Token ids -> text for requests added here; a matched stop string ends its sequence."""
         request_outputs, stop_ids = self.outputs.process_outputs(core_outputs)
         if stop_ids:  # a stop string matched on the text side: free the KV now
             self.core.finish_requests(stop_ids, RequestStatus.FINISHED_STOPPED)

@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 from engine.sampling_params import SamplingParams
 
 
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    """The engine sequences of one user request: itself when n == 1, else `<id>#<i>`."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def parent_request_id(child_id: str) -> str:
+    """The user request a sequence id (from `child_request_ids`) belongs to."""
+    return child_id.split("#", 1)[0]
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -80,7 +90,3 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status.finished

@@ -31,7 +31,7 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
     bundle i for TP rank i. The replica actor itself reserves bundle 0 (ray_actor_options): the
     engine runs in it at tp=1, and at tp>1 it is rank 0 (workers/driver_rank.py), which needs
     its cores and GPU; ranks 1..tp-1 are TPWorker actors in bundles 1..tp-1."""
-    # A TPWorker actor asks for one CPU (engine.executor.make_executor -> RayExecutor defaults),
+    # A TPWorker actor asks for one CPU (workers.make_executor -> RayExecutor defaults),
     # so at tp>1 every bundle has at least that (all bundles alike: rank 0 does the same work).
     cpus = cfg.cpus_per_worker if cfg.tensor_parallel_size == 1 else max(1.0, cfg.cpus_per_worker)
     bundle = {"CPU": cpus}

@@ -27,12 +27,13 @@ from ray import serve
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.llm_engine import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.sampling_params import SamplingParams
 from router.autoscaling_stats import AutoscalingStats
 from router.backpressure import ReplicaQueue
 from router.metrics import COUNTERS, new_histograms
 from router.output_channel import Outbox
+from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class _Job:
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
     def __init__(self, engine_args: dict, max_queued_requests: int = 64):
-        self.engine = AsyncEngine(EngineArgs(**engine_args))
+        self.engine = AsyncEngine(EngineArgs(**engine_args), executor_factory=make_executor)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)

@@ -16,11 +16,10 @@ from engine.request import Request
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         # hash -> {block_id: block}. Several blocks may hold the same contents (two requests
@@ -83,8 +82,6 @@ class BlockPool:
         num_full_blocks: int,
     ) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under the request's block hashes."""
-        if not self.enable_caching:
-            return
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], request.block_hashes[i]
             if block.block_hash is not None:

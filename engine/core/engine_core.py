@@ -6,6 +6,7 @@ from engine.core.scheduler import Scheduler
 from engine.executor import Executor
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.stats import EngineStats
 
 
 class EngineCore:
@@ -31,6 +32,9 @@ class EngineCore:
             return self.scheduler.update_from_output(so, _EMPTY)
         mro = self.executor.execute_model(so)
         return self.scheduler.update_from_output(so, mro)
+
+    def snapshot(self) -> EngineStats:
+        return self.scheduler.snapshot()
 
     def stats(self) -> dict:
         return self.scheduler.stats()

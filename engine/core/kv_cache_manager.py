@@ -31,7 +31,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         # Hashing stays on in the pool: salted siblings share even with prefix caching off.
-        self.block_pool = BlockPool(num_blocks, enable_caching=True)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already published in the hash map.
         self.num_cached_block: dict[str, int] = {}
@@ -105,9 +105,6 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
-
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

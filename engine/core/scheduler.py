@@ -21,6 +21,7 @@ from engine.core.scheduler_output import (
 )
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
+from engine.stats import EngineStats
 
 
 class Scheduler:
@@ -291,16 +292,21 @@ class Scheduler:
 
     # --- metrics ----------------------------------------------------------------------------
 
+    def snapshot(self) -> EngineStats:
+        """The state after the last step (built on the step thread; read anywhere)."""
+        kv = self.kv_cache_manager.stats(self.running)
+        unscheduled = [r.arrival_time for r in self.waiting
+                       if r.status == RequestStatus.WAITING and r.first_scheduled_time is None]
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps, num_blocks=kv["num_blocks"], blocks_used=kv["blocks_used"],
+            blocks_free=kv["blocks_free"], blocks_cached=kv["blocks_cached"], kv_usage=kv["usage"],
+            prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
+            prefix_hit_rate=kv["prefix_hit_rate"], kv_waste=kv["kv_waste"],
+            oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None)
+
     def stats(self) -> dict:
-        s = self.kv_cache_manager.stats(self.running)
-        s.update(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_preemptions=self.num_preemptions,
-            kv_usage=s["usage"],
-            num_steps=self.num_steps,
-        )
-        return s
+        return self.snapshot().as_dict()
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()

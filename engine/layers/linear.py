@@ -12,7 +12,7 @@ from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.weight_utils import copy_into, narrow, shape_of
+from engine.layers.weight_utils import copy_into, narrow
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -123,7 +123,3 @@ class RowParallelLinear(nn.Module):
         bias = self.bias if self.tp_rank == 0 else None
         return tp_all_reduce(linear(x, self.weight, bias))
 
-
-def check_full_shape(w, expected: tuple[int, ...], name: str) -> None:
-    if shape_of(w) != expected:
-        raise ValueError(f"checkpoint tensor {name} has shape {shape_of(w)}, expected {expected}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -75,6 +74,3 @@ def parameter_bytes(model: torch.nn.Module) -> int:
             total += p.numel() * p.element_size()
     return total
 
-
-def default_torch_threads() -> int:
-    return int(os.environ.get("ORBITAL_TORCH_THREADS", max(1, os.cpu_count() or 1)))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.attn_metadata_builder import build_step_batch
-from engine.layers.attention.backend import get_backend
+from engine.layers.attention.selector import get_backend
 from engine.runner_state import RunnerRequestState
 from engine.sampling_params import SamplingParams
 

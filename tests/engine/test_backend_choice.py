@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.attention.backend import get_backend
+from engine.layers.attention.selector import get_backend
 from engine.layers.attention.cpu_paged import kernel_available
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.attention.backend import get_backend
+from engine.layers.attention.selector import get_backend
 from tests.engine.paged_cases import make_step, random_cache, run_backend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow

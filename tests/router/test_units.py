@@ -142,7 +142,7 @@ def test_config_and_yaml():
 
 
 def test_kv_budget_defaults_to_gpu_memory_share_on_cuda():
-    from engine.llm_engine import EngineArgs
+    from engine.engine_args import EngineArgs
 
     args = AppConfig().engine_args()
     assert args["kv_cache_memory_bytes"] is None and args["gpu_memory_utilization"] == 0.9

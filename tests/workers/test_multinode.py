@@ -10,7 +10,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from workers import LLM
 from tests.workers.conftest import hf_greedy
 
 ARGS = dict(dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=8, num_threads=1)

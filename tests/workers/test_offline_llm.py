@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ray
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from workers import LLM
 from tests.workers.conftest import hf_greedy
 
 

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from workers import LLM
 from engine.errors import InvalidRequestError
 from engine.model.loader import parameter_bytes
 from tests.workers.conftest import hf_greedy

@@ -1,4 +1,5 @@
-from engine.layers.attention.backend import AttentionBackend, get_backend
+from engine.layers.attention.backend import AttentionBackend
+from engine.layers.attention.selector import get_backend
 from engine.layers.attention.layer import Attention
 from engine.layers.attention.metadata import AttentionMetadata, DecodeBucket, PrefillChunk
 

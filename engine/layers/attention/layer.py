@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_attn_metadata
-from engine.layers.attention.backend import AttentionBackend, get_backend
+from engine.layers.attention.backend import AttentionBackend
+from engine.layers.attention.selector import get_backend
 
 
 class Attention(nn.Module):

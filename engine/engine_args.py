@@ -1,0 +1,33 @@
+"""EngineArgs: every engine setting a user makes, with its default, in one place.
+
+A light module (dataclasses only, no torch) so the serving layer's config can take its
+defaults from here instead of repeating them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user sets; `LLMEngine` turns it into the frozen inner configs."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    tensor_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
+    served_model_name: str | None = None
+    num_threads: int | None = None
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
+
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None
