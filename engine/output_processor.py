@@ -204,11 +204,11 @@ class OutputProcessor:
         """Fill the decoded strings of a logprob entry (single-token decodes, cached)."""
         if lp is None:
             return None
-        lp.decoded = self._token_str(lp.token_id)
-        lp.top_decoded = [self._token_str(t) for t, _ in lp.top]
+        lp.decoded = self.token_text(lp.token_id)
+        lp.top_decoded = [self.token_text(t) for t, _ in lp.top]
         return lp
 
-    def _token_str(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         s = self._token_text.get(token_id)
         if s is None:
             s = self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from ray.serve.config import RequestRouterConfig
 
-from router.autoscaling_config import autoscaled
+from router.controller.autoscaling_config import autoscaled
 from router.config import AppConfig
-from router.engine_replica import EngineReplica
-from router.ingress import Router
+from router.replica.deployment import EngineReplica
+from router.ingress.deployment import Ingress
 from router.serve_tuning import single_loop
 
 ROUTING_STATS_PERIOD_S = 1.0
@@ -51,7 +51,7 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
-            request_router_class="router.replica_choice:LeastLoadedRouter",
+            request_router_class="router.replica_choice.least_loaded:LeastLoadedChoice",
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),
@@ -75,13 +75,13 @@ def build_app(cfg: AppConfig | dict | None = None):
     engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
     engine = EngineReplica.options(**engine_options).bind(
         cfg.engine_args(), cfg.max_queued_requests_per_replica)
-    router = Router.options(
+    ingress = Ingress.options(
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
         max_ongoing_requests=max(1000, 4 * cfg.max_queued_requests),
         graceful_shutdown_timeout_s=5.0,
     )
-    return router.bind(engine, cfg.model_dump())
+    return ingress.bind(engine, cfg.model_dump())
 
 
 def app_builder(args: AppConfig):

@@ -3,7 +3,7 @@ of waiting, so accepted requests keep their latency.
 
 Two bounds, both counting *queued* requests (accepted, no token produced yet):
   * per engine replica (`ReplicaQueue`, checked inside the replica before the engine sees it);
-  * per router replica (`RouterQueue`, checked before tokenizing and routing).
+  * per router replica (`IngressQueue`, checked before tokenizing and routing).
 Requests that are already generating do not count: the engine's batch size limits those.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class _Queue:
         return {"queued": len(self.queued), "in_flight": self.in_flight, "rejected": self.rejected}
 
 
-class RouterQueue(_Queue):
+class IngressQueue(_Queue):
     def __init__(self, max_queued: int):
         super().__init__(max_queued, "the router")
 

@@ -56,7 +56,7 @@ def config_from_args(a: argparse.Namespace):
     cores = a.num_cpus or os.cpu_count() or 1
     workers = a.replicas * a.tp
     if getattr(a, "autoscaling", None):  # size CPUs for the most replicas the policy may start
-        from router.autoscaling_config import load_autoscaling
+        from router.controller.autoscaling_config import load_autoscaling
 
         workers = load_autoscaling(a.autoscaling).pools["engine"].max_replicas * a.tp
     cpus = max(1.0, cores // workers) if cores >= workers else cores / workers

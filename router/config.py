@@ -46,7 +46,7 @@ class AppConfig(BaseModel):
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
     api_key: str | None = Field(None, description="Bearer key for /v1 and TGI routes (default: $ORBITAL_API_KEY).")
 
-    # --- scaling (router/autoscaling_config.py) ---
+    # --- scaling (router/controller/autoscaling_config.py) ---
     autoscaling: str | dict | None = Field(None, description="Autoscaling policy: path of a YAML file like "
                                            "deploy/autoscaling.yaml, or the same mapping inline; replaces "
                                            "num_replicas. None = a fixed num_replicas.")

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.autoscaling_config import (AutoscalingConfigError, autoscaled, load_autoscaling,
+from router.controller.autoscaling_config import (AutoscalingConfigError, autoscaled, load_autoscaling,
                                        pool_deployment_options, serve_autoscaling_config, spread_share)
-from router.autoscaling_policy import OrbitalPolicy, desired_replicas
+from router.controller.autoscaling_policy import OrbitalPolicy, desired_replicas
 
 ROOT = Path(__file__).resolve().parents[2]
 RAW = yaml.safe_load((ROOT / "deploy/autoscaling.yaml").read_text())
@@ -94,7 +94,7 @@ def test_translation_to_serve():
     assert isinstance(ac, AutoscalingConfig)
     assert (ac.min_replicas, ac.max_replicas, ac.upscale_delay_s, ac.downscale_delay_s, ac.look_back_period_s) == \
         (1, 8, 15.0, 180.0, 15.0)
-    assert ac.policy.policy_function == "router.autoscaling_policy:OrbitalPolicy"
+    assert ac.policy.policy_function == "router.controller.autoscaling_policy:OrbitalPolicy"
     assert ac.policy.policy_kwargs["ttft_slo_s"] == 3.0 and ac.policy.policy_kwargs["target_ongoing_requests"] == 16
     # Serve can import and instantiate it the way its controller does
     ac.policy.serialize_policy()

@@ -76,7 +76,7 @@ def test_on_prem_uses_listed_hosts():
 
 
 def test_serve_cluster_config_loads():
-    from router.autoscaling_config import load_autoscaling
+    from router.controller.autoscaling_config import load_autoscaling
     from router.config import AppConfig
 
     args = load("deploy/serve-cluster.yaml")["applications"][0]["args"]

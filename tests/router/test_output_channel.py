@@ -6,12 +6,14 @@ EngineReplica driven directly: one message carries several requests, the channel
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from router.channel_client import LostRequestsError, ReplicaChannels
-from router.output_channel import Outbox, decode, encode
-from router.replica_choice import LocalLoad
+from router.ingress.output_reader import LostRequestsError, OutputReader
+from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest, decode, encode
+from router.replica.outbox import Outbox
+from router.replica_choice.local_load import LocalLoad
 
 
 def test_outbox_batches_until_idle():
@@ -22,7 +24,7 @@ def test_outbox_batches_until_idle():
 
         async def read():
             async for payload in box.messages():
-                got.append(decode(payload))
+                got.append(decode(payload).outputs)
         reader = asyncio.create_task(read())
         await asyncio.sleep(0)
         box.put("a1")
@@ -57,13 +59,13 @@ class _FakeChannelHandle:
                 await asyncio.sleep(0)
                 if isinstance(b, BaseException):
                     raise b
-                yield encode(b)
+                yield encode(StepOutputs(b))
         return gen()
 
 
 def _channels(script):
     handle, seen, errors = _FakeChannelHandle(script), [], []
-    chans = ReplicaChannels(handle, lambda rep, items: seen.append((rep, items)),
+    chans = OutputReader(handle, lambda rep, msg: seen.append((rep, msg.outputs)),
                             lambda rep, ids, e: errors.append((rep, ids, e)))
     return handle, chans, seen, errors
 
@@ -71,7 +73,7 @@ def _channels(script):
 def test_channel_reopens_while_requests_remain_and_stops_when_none():
     async def run():
         handle, chans, seen, errors = _channels([[["x"]], [["y"]]])
-        chans.on_batch = lambda rep, items: (seen.append(items), items == ["y"] and chans.detach(rep, "r1"))
+        chans.on_batch = lambda rep, msg: (seen.append(msg.outputs), msg.outputs == ["y"] and chans.detach(rep, "r1"))
         chans.attach("A", "r1")
         for _ in range(100):
             await asyncio.sleep(0.01)
@@ -118,7 +120,7 @@ def test_local_load_counts_routed_requests():
 
 @pytest.fixture(scope="module")
 def replica():
-    from router.engine_replica import EngineReplica
+    from router.replica.deployment import EngineReplica
 
     rep = EngineReplica.func_or_class(dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1), 8)
     yield rep
@@ -146,8 +148,8 @@ def test_replica_channel_carries_every_request_and_ends(replica):
 
     async def run():
         for i in range(3):
-            assert await replica.submit(f"ch-{i}", ids, _params(8), "router-a") == "local"
-        return [decode(p) async for p in replica.output_channel("router-a")]  # ends by itself
+            assert await replica.submit(SubmitRequest(f"ch-{i}", ids, _params(8), "router-a", time.time())) == "local"
+        return [decode(p).outputs async for p in replica.output_channel("router-a")]  # ends by itself
 
     msgs = asyncio.run(run())
     tokens: dict[str, int] = {}
@@ -169,12 +171,13 @@ def test_replica_finish_and_abort_end_the_request(replica, how):
     async def run():
         before = dict(replica.finished)
         steps = replica.engine.step_count
-        await replica.submit(f"long-{how}", ids, _params(500), "router-b")
+        await replica.submit(SubmitRequest(f"long-{how}", ids, _params(500), "router-b", time.time()))
         n = 0
         async for payload in replica.output_channel("router-b"):
-            n += sum(len(o.new_token_ids) for o in decode(payload))
+            n += sum(len(o.new_token_ids) for o in decode(payload).outputs)
             if n >= 3 and f"long-{how}" in replica._jobs:
-                await (replica.finish([f"long-{how}"]) if how == "finish" else replica.abort(f"long-{how}"))
+                await (replica.finish(FinishSequences([f"long-{how}"])) if how == "finish"
+                       else replica.abort(AbortRequest(f"long-{how}")))
         s = await _idle(replica)
         return before, steps, s
 

@@ -10,14 +10,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.errors import EngineDeadError, InvalidRequestError
-from router.backpressure import OverloadedError, ReplicaQueue, RouterQueue
+from router.backpressure import OverloadedError, ReplicaQueue, IngressQueue
 from router.config import AppConfig
-from router.errors import APIError, to_api_error
+from router.ingress.errors import APIError, to_api_error
 from router.metrics import HISTOGRAMS, Histogram, new_histograms, render
-from router.openai_models import ChatCompletionRequest, CompletionRequest
-from router.replica_choice import replica_load
-from router.tgi_api import sampling_params
-from router.tgi_models import GenerateParameters
+from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest
+from router.replica_choice.least_loaded import replica_load
+from router.ingress.tgi_api import sampling_params
+from router.ingress.tgi_models import GenerateParameters
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ def test_histogram_buckets():
 
 
 def test_queues():
-    q = RouterQueue(2)
+    q = IngressQueue(2)
     q.admit("a")
     q.admit("b")
     with pytest.raises(OverloadedError) as e:

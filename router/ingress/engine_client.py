@@ -1,15 +1,15 @@
-"""The text side of one request, in the router: token ids go to an engine replica, token ids come
+"""The text side of one request, in the ingress: token ids go to an engine replica, token ids come
 back, and the engine's OutputProcessor turns them into RequestOutputs (incremental text, stop
-strings, n>1 aggregation) here.
+strings, n>1 aggregation) here. Messages to and from replicas: `router/messages.py`.
 
 A request is started with `submit` (a unary call; the replica choice picks the replica); its
-outputs come back on that replica's output channel (`router/channel_client.py`), one message
-per engine step for all of this router's requests there, and are detokenized here in one
+outputs come back on that replica's output channel (`router/ingress/output_reader.py`), one message
+per engine step for all of this ingress's requests there, and are detokenized here in one
 OutputProcessor call per message.
 
-A stop string is found here, not in the engine: the router calls the replica's `finish` for
+A stop string is found here, not in the engine: the ingress calls the replica's `finish` for
 those sequences (pinned to the replica that holds them) so their KV blocks are freed at once.
-When the caller stops reading (client gone, timeout, error), the router calls `abort` on the
+When the caller stops reading (client gone, timeout, error), the ingress calls `abort` on the
 replica, which ends the request before its next step.
 """
 from __future__ import annotations
@@ -24,10 +24,12 @@ from typing import AsyncIterator
 from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.request import child_request_ids
 from engine.sampling_params import SamplingParams
-from router.backpressure import RouterQueue
-from router.channel_client import ReplicaChannels
-from router.replica_choice import local_load
+from router.backpressure import IngressQueue
+from router.ingress.output_reader import OutputReader
+from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
+from router.replica_choice.local_load import local_load
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,8 @@ def new_request_id(prefix: str) -> str:
 class EngineClient:
     """Runs requests on the engine deployment through a DeploymentHandle."""
 
-    def __init__(self, handle, tokenizer, inputs: InputProcessor, queue: RouterQueue,
-                 control_timeout_s: float = 10.0, nonstream_batch_interval_s: float = 0.0):
+    def __init__(self, handle, tokenizer, inputs: InputProcessor, queue: IngressQueue,
+                 control_timeout_s: float = 10.0, nonstream_batch_interval_s: float = 0.0) -> None:
         self.handle = handle
         self.nonstream_batch_interval_s = nonstream_batch_interval_s
         self.queue = queue
@@ -48,14 +50,18 @@ class EngineClient:
         self.inputs = inputs
         self.outputs = OutputProcessor(tokenizer)
         self.control_timeout_s = control_timeout_s
-        self.channels = ReplicaChannels(handle.options(stream=True), self._on_batch, self._on_channel_error)
+        self.channels = OutputReader(handle.options(stream=True), self._on_batch, self._on_channel_error)
         self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or an exception)
         self._background: set[asyncio.Task] = set()
         self.replica_counts: dict[str, int] = {}  # requests ended per replica (tests, debugging)
 
-    def validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Length / vocabulary checks the engine would do, before anything is sent."""
-        self.inputs.make_requests(request_id, prompt_ids, params)
+    def token_text(self, token_id: int) -> str:
+        """One token's text (logprobs, TGI token lists)."""
+        return self.outputs.token_text(token_id)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The context-length check the engine would do, before anything is sent."""
+        self.inputs.check_lengths(prompt_ids, params)
 
     async def generate(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
                        params: SamplingParams, arrival_wall: float | None = None,
@@ -66,18 +72,18 @@ class EngineClient:
         submit = replica = None
         added = done = False
         try:
-            self.validate(request_id, prompt_ids, params)
-            children = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-            self.outputs.add_request(request_id, prompt_text, prompt_ids, params, children)
+            self.validate(prompt_ids, params)
+            self.outputs.add_request(request_id, prompt_text, prompt_ids, params,
+                                     child_request_ids(request_id, params.n))
             added = True
             # Registered before submitting: the channel may bring outputs before the reply.
             outputs = self._waiting[request_id] = asyncio.Queue()
             # Outside the caller's Serve request context, as every call below: Serve cancels a
             # request's calls when it is cancelled, and then `abort` must still get through.
-            submit = asyncio.ensure_future(contextvars.Context().run(
-                self.handle.submit.remote, request_id, prompt_ids, params, self.channels.router_id,
-                arrival_wall=arrival_wall or time.time(), priority=priority,
-                batch_interval_s=0.0 if stream else self.nonstream_batch_interval_s))
+            msg = SubmitRequest(request_id, prompt_ids, params, self.channels.ingress_id,
+                                arrival_wall or time.time(), priority,
+                                0.0 if stream else self.nonstream_batch_interval_s)
+            submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
             replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
             self.channels.attach(replica, request_id)
             first = True
@@ -102,26 +108,22 @@ class EngineClient:
                 self.replica_counts[replica] = self.replica_counts.get(replica, 0) + 1
                 self.channels.detach(replica, request_id)
                 if not done:  # the caller went away: end it in the engine
-                    self._spawn(self._control("abort", request_id, replica))
+                    self._spawn(self._control("abort", AbortRequest(request_id), replica))
             elif submit is not None and not (submit.done() and (submit.cancelled() or submit.exception())):
                 # Left while `submit` was in flight (or as it returned): abort where it lands.
                 self._spawn(self._abort_when_submitted(submit, request_id))
 
     # --- the output channels ----------------------------------------------------------------
 
-    def _on_batch(self, replica: str, items: list) -> None:
-        """One channel message: every output of one engine step for this router's requests."""
-        core = []
-        for item in items:
-            if type(item) is tuple:  # (request id, exception): that request failed
-                self._deliver(replica, item[0], item[1])
-            else:
-                core.append(item)
-        if not core:
+    def _on_batch(self, replica: str, msg: StepOutputs) -> None:
+        """One channel message: every output of one engine step for this ingress's requests."""
+        for failed in msg.failures:
+            self._deliver(replica, failed.request_id, failed.error)
+        if not msg.outputs:
             return
-        request_outputs, stop_ids = self.outputs.process_outputs(core)
+        request_outputs, stop_ids = self.outputs.process_outputs(msg.outputs)
         if stop_ids:
-            self._spawn(self._control("finish", stop_ids, replica))
+            self._spawn(self._control("finish", FinishSequences(stop_ids), replica))
         for out in request_outputs:
             self._deliver(replica, out.request_id, out)
 
@@ -140,7 +142,7 @@ class EngineClient:
 
     # --- control calls ----------------------------------------------------------------------
 
-    async def _control(self, method: str, arg, replica: str) -> None:
+    async def _control(self, method: str, arg: FinishSequences | AbortRequest, replica: str) -> None:
         try:
             await asyncio.wait_for(getattr(self.handle, method).remote(arg, replica_id=replica),
                                    self.control_timeout_s)
@@ -153,7 +155,7 @@ class EngineClient:
             replica = await submit
         except Exception:  # noqa: BLE001 - never started
             return
-        await self._control("abort", request_id, replica)
+        await self._control("abort", AbortRequest(request_id), replica)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())

@@ -13,10 +13,10 @@ from typing import AsyncIterator
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
-from router.errors import APIError
-from router.generation import EngineClient, new_request_id
-from router.streams import collect
-from router.tgi_models import Details, GenerateParameters, GenerateRequest, StreamDetails, StreamResponse, Token
+from router.ingress.errors import APIError
+from router.ingress.engine_client import EngineClient, new_request_id
+from router.ingress.streams import collect
+from router.ingress.tgi_models import Details, GenerateParameters, GenerateRequest, StreamDetails, StreamResponse, Token
 
 
 def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParams:
@@ -64,7 +64,7 @@ class TGIServing:
 
     def _token(self, tid: int, logprob: float | None, text: str | None = None) -> Token:
         if text is None:
-            text = self.client.outputs._token_str(tid)
+            text = self.client.token_text(tid)
         return Token(id=tid, text=text, logprob=logprob, special=tid in self.special)
 
     async def generate(self, body: dict) -> dict:

@@ -1,9 +1,9 @@
-"""The router side of output channels (see `router/output_channel.py`): one consumer task per
-engine replica this router has requests on, handing each decoded batch to a callback.
+"""The ingress side of output channels (see `router/replica/outbox.py`): one reader task per
+engine replica this ingress has requests on, handing each decoded `StepOutputs` to a callback.
 
 A channel is opened (a streaming call pinned to the replica) when the first request there is
 attached, and reopened while requests remain when the replica ended it; the replica ends it
-once this router has nothing left there, so an idle router holds no call open (Serve's graceful
+once this ingress has nothing left there, so an idle ingress holds no call open (Serve's graceful
 drain on scale-down waits for open calls).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import uuid
 from typing import Callable
 
-from router.output_channel import decode
+from router.messages import StepOutputs, decode
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +23,11 @@ class LostRequestsError(RuntimeError):
     pass
 
 
-class ReplicaChannels:
-    def __init__(self, stream_handle, on_batch: Callable[[str, list], None],
-                 on_error: Callable[[str, list[str], BaseException], None]):
+class OutputReader:
+    def __init__(self, stream_handle, on_batch: Callable[[str, StepOutputs], None],
+                 on_error: Callable[[str, list[str], BaseException], None]) -> None:
         self.stream_handle = stream_handle
-        self.router_id = f"router-{uuid.uuid4().hex}"
+        self.ingress_id = f"ingress-{uuid.uuid4().hex}"
         self.on_batch, self.on_error = on_batch, on_error
         self.active: dict[str, set[str]] = {}  # replica id -> request ids waiting for outputs
         self._tasks: dict[str, asyncio.Task] = {}
@@ -54,7 +54,7 @@ class ReplicaChannels:
         empty = 0  # channel calls in a row that brought nothing
         try:
             while replica in self.active:
-                gen = self.stream_handle.output_channel.remote(self.router_id, replica_id=replica)
+                gen = self.stream_handle.output_channel.remote(self.ingress_id, replica_id=replica)
                 got = False
                 try:
                     async for payload in gen:
@@ -62,7 +62,7 @@ class ReplicaChannels:
                         self.on_batch(replica, decode(payload))
                 except asyncio.CancelledError:
                     if asyncio.current_task().cancelling():
-                        raise  # close(): this router is going away
+                        raise  # close(): this ingress is going away
                     # The call was cancelled on its own (not by us): open it again.
                 empty = 0 if got else empty + 1
                 if empty and replica in self.active:

@@ -1,16 +1,18 @@
 """One engine replica: a Serve deployment around the AsyncEngine (one per tensor-parallel group).
 
-It sees token ids only; text lives in the router. Methods the router calls through its handle:
-  * `submit(request_id, ids, params, router_id)`: start a request, return this replica's id;
-  * `output_channel(router_id)` (streaming, `handle.options(stream=True)`): every output of
-    that router's requests here, one message per engine step (`router/output_channel.py`);
-  * `finish(child_ids)`: the router matched a stop string; end those sequences now;
-  * `abort(request_id)`: the client went away; the request ends before the next engine step,
+It sees token ids only; text lives in the ingress. Methods the ingress calls through its
+handle, with the messages of `router/messages.py`:
+  * `submit(SubmitRequest)`: start a request, return this replica's id;
+  * `output_channel(ingress_id)` (streaming, `handle.options(stream=True)`): every output of
+    that ingress's requests here, one `StepOutputs` per engine step (`router/replica/outbox.py`);
+  * `finish(FinishSequences)`: the ingress matched a stop string; end those sequences now;
+  * `abort(AbortRequest)`: the client went away; the request ends before the next engine step,
     which returns its KV blocks to the pool;
   * `stats()`, `check_health()` (also Serve's health check).
-  * `record_routing_stats()`: Serve polls it; the router's replica choice reads it.
-Every method takes an optional `replica_id`: the router pins calls to one replica with it (see
-`replica_choice.py`); the replica itself ignores it.
+  * `record_routing_stats()`: Serve polls it; the ingress's replica choice reads it.
+Every method takes an optional `replica_id`: the ingress pins calls to one replica with it (see
+`router/replica_choice/`); the replica itself ignores it. Load figures come from the engine's
+stats snapshot (published after each step), never from the scheduler's live structures.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import AsyncIterator
 
 # As engine/__init__ does: idle OpenMP threads sleep instead of spinning (several replicas on
 # few cores). Must precede the first torch import in this worker process.
@@ -28,35 +31,36 @@ from ray import serve
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.engine_args import EngineArgs
-from engine.sampling_params import SamplingParams
-from router.autoscaling_stats import AutoscalingStats
+from engine.request import child_request_ids, parent_request_id
+from router.replica.autoscaling_stats import AutoscalingStats
 from router.backpressure import ReplicaQueue
+from router.messages import AbortRequest, FinishSequences, SubmitRequest
 from router.metrics import COUNTERS, new_histograms
-from router.output_channel import Outbox
+from router.replica.outbox import Outbox
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
 
 
 class _Job:
-    """One request running here: its router's outbox, its pump task, times for the metrics."""
+    """One request running here: its ingress's outbox, its pump task, times for the metrics."""
 
-    __slots__ = ("request_id", "children", "router_id", "box", "task", "arrival_wall", "arrival_mono",
+    __slots__ = ("request_id", "children", "ingress_id", "box", "task", "arrival_wall", "arrival_mono",
                  "first_token", "last_token", "children_done", "stopped")
 
-    def __init__(self, request_id: str, n: int, arrival_wall: float, router_id: str, box: Outbox):
-        self.request_id, self.router_id, self.box, self.task = request_id, router_id, box, None
-        self.children = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+    def __init__(self, request_id: str, n: int, arrival_wall: float, ingress_id: str, box: Outbox) -> None:
+        self.request_id, self.ingress_id, self.box, self.task = request_id, ingress_id, box, None
+        self.children = child_request_ids(request_id, n)
         self.arrival_wall, self.arrival_mono = arrival_wall, time.monotonic()
         self.first_token: float | None = None
         self.last_token: dict[str, float] = {}
         self.children_done: set[str] = set()
-        self.stopped: set[str] = set()  # children the router finished (stop string)
+        self.stopped: set[str] = set()  # children the ingress finished (stop string)
 
 
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
-    def __init__(self, engine_args: dict, max_queued_requests: int = 64):
+    def __init__(self, engine_args: dict, max_queued_requests: int = 64) -> None:
         self.engine = AsyncEngine(EngineArgs(**engine_args), executor_factory=make_executor)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -67,40 +71,37 @@ class EngineReplica:
         self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens")}
         self.finished: dict[str, int] = {}
         self._jobs: dict[str, _Job] = {}  # request id -> running request
-        self._outboxes: dict[str, Outbox] = {}  # router id -> its requests' outputs
+        self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)
 
     # --- generation -------------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     router_id: str, arrival_wall: float | None = None, priority: int = 0,
-                     batch_interval_s: float = 0.0, replica_id: str | None = None) -> str:
-        """Start a request; its outputs go to `router_id`'s output channel. Returns this
-        replica's id (the router pins `output_channel`, `finish` and `abort` to it).
-        `batch_interval_s` > 0 (non-streamed requests): after the first output, hand outputs to
-        the channel at most that often: fewer router wake-ups, same results."""
+    async def submit(self, msg: SubmitRequest, replica_id: str | None = None) -> str:
+        """Start a request; its outputs go to `msg.ingress_id`'s output channel. Returns this
+        replica's id (the ingress pins `output_channel`, `finish` and `abort` to it)."""
         if not self.engine.is_alive():
             raise EngineDeadError("the engine loop is not running")
-        if request_id in self._jobs:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        self.queue.admit(request_id)  # raises OverloadedError -> 429 at the router
-        box = self._outboxes.get(router_id)
+        rid = msg.request_id
+        if rid in self._jobs:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        self.queue.admit(rid)  # raises OverloadedError -> 429 at the ingress
+        box = self._outboxes.get(msg.ingress_id)
         if box is None:
-            box = self._outboxes[router_id] = Outbox(self._step_handed_over)
-        job = _Job(request_id, params.n, arrival_wall or time.time(), router_id, box)
-        self.counters["prompt_tokens"] += len(prompt_token_ids)
-        self._jobs[request_id] = job
-        box.active.add(request_id)
-        stream = self.engine.generate_tokens(request_id, prompt_token_ids, params, priority,
+            box = self._outboxes[msg.ingress_id] = Outbox(self._step_handed_over)
+        job = _Job(rid, msg.params.n, msg.arrival_wall, msg.ingress_id, box)
+        self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
+        self._jobs[rid] = job
+        box.active.add(rid)
+        stream = self.engine.generate_tokens(rid, msg.prompt_token_ids, msg.params, msg.priority,
                                              arrival_time=job.arrival_mono)
-        job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, batch_interval_s))
+        job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, msg.batch_interval_s))
         return self.replica_id
 
-    async def output_channel(self, router_id: str, replica_id: str | None = None):
-        """Streaming: every output of `router_id`'s requests here, one message per engine step
-        (see `router/output_channel.py`); ends when that router has nothing left here."""
-        box = self._outboxes.get(router_id)
+    async def output_channel(self, ingress_id: str, replica_id: str | None = None) -> AsyncIterator[bytes]:
+        """Streaming: every output of `ingress_id`'s requests here, one encoded StepOutputs per
+        engine step (see `router/replica/outbox.py`); ends when that ingress has nothing left here."""
+        box = self._outboxes.get(ingress_id)
         if box is None:
             return
         try:
@@ -108,8 +109,8 @@ class EngineReplica:
                 self.channel_messages += 1
                 yield payload
         finally:
-            if box.idle and self._outboxes.get(router_id) is box:
-                del self._outboxes[router_id]
+            if box.idle and self._outboxes.get(ingress_id) is box:
+                del self._outboxes[ingress_id]
 
     def _step_handed_over(self) -> None:
         """Returns once the engine thread has handed its current step's outputs to this loop
@@ -117,7 +118,7 @@ class EngineReplica:
         self.engine.step_handed_over()
 
     async def _pump(self, job: "_Job", stream, batch_interval_s: float) -> None:
-        """Moves one request's outputs from the engine to its router's outbox."""
+        """Moves one request's outputs from the engine to its ingress's outbox."""
         pending: list = []
         last_sent = 0.0
         try:
@@ -133,9 +134,9 @@ class EngineReplica:
                     pending, last_sent = [], now
             job.box.extend(pending)
         except asyncio.CancelledError:
-            pass  # finished by a stop string or aborted by the router: nobody waits for more
-        except Exception as e:  # noqa: BLE001 - the router raises it for this request
-            job.box.put((job.request_id, e))
+            pass  # finished by a stop string or aborted by the ingress: nobody waits for more
+        except Exception as e:  # noqa: BLE001 - the ingress raises it for this request
+            job.box.fail(job.request_id, e)
         finally:
             self._jobs.pop(job.request_id, None)
             self.queue.done(job.request_id)
@@ -150,8 +151,8 @@ class EngineReplica:
             if completed and job.first_token is not None:
                 self.hist["e2e_request_latency_seconds"].observe(time.time() - job.arrival_wall)
             job.box.request_done(job.request_id)
-            if job.box.idle and self._outboxes.get(job.router_id) is job.box:
-                del self._outboxes[job.router_id]  # also when its router never opened a channel
+            if job.box.idle and self._outboxes.get(job.ingress_id) is job.box:
+                del self._outboxes[job.ingress_id]  # also when its ingress never opened a channel
 
     def _observe(self, job: "_Job", out) -> None:
         rid, now = out.request_id, time.time()
@@ -172,11 +173,12 @@ class EngineReplica:
             reason = out.finish_reason or "abort"
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
-    async def finish(self, child_ids: list[str], replica_id: str | None = None) -> None:
-        """The router matched a stop string: end these sequences now (frees their KV). The
+    async def finish(self, msg: FinishSequences, replica_id: str | None = None) -> None:
+        """The ingress matched a stop string: end these sequences now (frees their KV). The
         engine sends nothing more for them, so a request whose sequences are all over ends."""
+        child_ids = msg.sequence_ids
         self.engine.finish(child_ids)
-        for parent in {c.split("#", 1)[0] for c in child_ids}:
+        for parent in {parent_request_id(c) for c in child_ids}:
             job = self._jobs.get(parent)
             if job is None:
                 continue
@@ -184,12 +186,12 @@ class EngineReplica:
             if all(c in job.children_done or c in job.stopped for c in job.children) and job.task:
                 job.task.cancel()
 
-    async def abort(self, request_id: str, replica_id: str | None = None) -> None:
-        job = self._jobs.get(request_id)
+    async def abort(self, msg: AbortRequest, replica_id: str | None = None) -> None:
+        job = self._jobs.get(msg.request_id)
         if job is not None and job.task is not None:
             job.task.cancel()  # its cleanup aborts it in the engine before the next step
         else:
-            self.engine.abort(request_id)
+            self.engine.abort(msg.request_id)
 
     # --- health and stats -------------------------------------------------------------------
 
@@ -211,19 +213,18 @@ class EngineReplica:
         return s
 
     def record_routing_stats(self) -> dict:
-        """Cheap, lock-free load figures for replica choice (Serve polls this)."""
-        sched = self.engine.engine.core.scheduler
-        return {"num_running": len(sched.running), "num_waiting": len(sched.waiting),
-                "kv_usage": sched.kv_cache_manager.usage(), "queued": len(self.queue.queued),
-                "in_flight": self.queue.in_flight}
+        """Load figures for replica choice (Serve polls this), from the engine's last snapshot."""
+        snap = self.engine.snapshot
+        return {"num_running": snap.num_running, "num_waiting": snap.num_waiting,
+                "kv_usage": snap.kv_usage, "queued": len(self.queue.queued), "in_flight": self.queue.in_flight}
 
     def record_autoscaling_stats(self) -> dict:
         """Load figures for the autoscaling policy (Serve polls this when autoscaling is on)."""
         if not hasattr(self, "_autoscaling_stats"):
-            self._autoscaling_stats = AutoscalingStats(self)
-        return self._autoscaling_stats.snapshot()
+            self._autoscaling_stats = AutoscalingStats(self.hist)
+        return self._autoscaling_stats.snapshot(self.engine.snapshot, self.queue.in_flight)
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.engine.shutdown()
         except Exception:  # noqa: BLE001

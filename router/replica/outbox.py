@@ -1,15 +1,11 @@
-"""The replica side of an output channel: one long-lived stream per (router, engine replica)
-carrying every request's outputs of an engine step in one message.
+"""The replica side of an output channel: one long-lived stream per (ingress, engine replica)
+carrying every request's outputs of an engine step in one message (`router.messages.StepOutputs`).
 
 Why: one Serve streaming call per request cost one Ray message per token per request (replica ->
 router), each with its own serialization, RPC and cross-thread wake-ups on both ends. A channel
 sends one message per engine step for all of a router's requests there (vLLM's engine-core
 socket does the same). Requests are started and stopped with unary calls (`submit`, `finish`,
 `abort`) pinned to the replica.
-
-Wire format: a message is `encode(items)`, the stdlib pickle of a list whose items are
-`EngineCoreOutput`s or `(request_id, exception)` for a request that failed; C pickle of small
-dataclasses costs a few microseconds each, and Ray then ships one bytes object.
 
 A channel ends once its router has no request left on the replica and every output is sent, so
 Serve's graceful drain (it waits for ongoing calls) completes on scale-down; the router opens a
@@ -18,20 +14,14 @@ new one with its next request there.
 from __future__ import annotations
 
 import asyncio
-import pickle
-from typing import Callable
+from typing import AsyncIterator, Callable
+
+from engine.outputs import EngineCoreOutput
+from router.messages import RequestFailed, StepOutputs, encode
 
 # Loop turns after a step is handed over: an output scheduled by the engine thread needs one
 # turn for its callback and one for its pump task.
 COALESCE_TURNS = 3
-
-
-def encode(items: list) -> bytes:
-    return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(payload: bytes) -> list:
-    return pickle.loads(payload)  # only from our own replicas
 
 
 class Outbox:
@@ -39,21 +29,25 @@ class Outbox:
 
     __slots__ = ("items", "active", "_event", "_handed_over")
 
-    def __init__(self, handed_over: Callable[[], None] | None = None):
-        self.items: list = []
+    def __init__(self, handed_over: Callable[[], None] | None = None) -> None:
+        self.items = StepOutputs()
         self.active: set[str] = set()  # request ids still running here for this router
         self._event = asyncio.Event()
         # Returns once the engine thread has handed the current step's outputs to the loop.
         self._handed_over = handed_over
 
-    def put(self, item) -> None:
-        self.items.append(item)
+    def put(self, output: EngineCoreOutput) -> None:
+        self.items.outputs.append(output)
         self._event.set()
 
-    def extend(self, items: list) -> None:
-        if items:
-            self.items.extend(items)
+    def extend(self, outputs: list[EngineCoreOutput]) -> None:
+        if outputs:
+            self.items.outputs.extend(outputs)
             self._event.set()
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.items.failures.append(RequestFailed(request_id, error))
+        self._event.set()
 
     def request_done(self, request_id: str) -> None:
         self.active.discard(request_id)
@@ -63,7 +57,7 @@ class Outbox:
     def idle(self) -> bool:
         return not self.items and not self.active
 
-    async def messages(self):
+    async def messages(self) -> AsyncIterator[bytes]:
         """Encoded batches until idle: all outputs put since the previous message.
 
         The engine thread hands a step's outputs to the loop one by one (each wakes one
@@ -81,5 +75,5 @@ class Outbox:
                 for _ in range(COALESCE_TURNS):
                     await asyncio.sleep(0)
                 continue
-            items, self.items = self.items, []
+            items, self.items = self.items, StepOutputs()
             yield encode(items)

@@ -1,11 +1,11 @@
 """Orbital's autoscaling policy: how many engine replicas a pool wants, from the replicas' own
-stats (see `router/autoscaling_stats.py`).
+stats (see `router/replica/autoscaling_stats.py`).
 
 Serve's controller calls it every control-loop tick (0.1 s) with an `AutoscalingContext`;
 Serve then applies, on top of what it returns: the up/down scaling factors, `min_replicas` /
 `max_replicas`, and `upscale_delay_s` / `downscale_delay_s` (the wish must hold that long).
-Configured through `router/autoscaling_config.py` as
-`AutoscalingPolicy(policy_function="router.autoscaling_policy:OrbitalPolicy", policy_kwargs=...)`.
+Configured through `router/controller/autoscaling_config.py` as
+`AutoscalingPolicy(policy_function="router.controller.autoscaling_policy:OrbitalPolicy", policy_kwargs=...)`.
 
 Each configured target gives a replica count; the pool wants the largest:
 

@@ -2,7 +2,7 @@
 
 Serve calls the replica's `record_autoscaling_stats()` every `look_back_period_s * 0.2` s,
 pushes the points to the controller every `RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S`
-(the pool's `metrics_interval_s`), and hands the policy (`router/autoscaling_policy.py`) the
+(the pool's `metrics_interval_s`), and hands the policy (`router/controller/autoscaling_policy.py`) the
 mean of each figure over the look-back window, per replica. All figures are floats:
 
   * `in_flight`     requests this replica holds (queued, prefilling or decoding);
@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import time
 
-from engine.request import RequestStatus
+from engine.stats import EngineStats
+from router.metrics import Histogram
 
 
 class AutoscalingStats:
-    """Turns an EngineReplica's cumulative histograms into per-interval figures."""
+    """Turns an engine replica's cumulative histograms and the engine's stats snapshot into
+    per-interval figures."""
 
-    def __init__(self, replica):
-        self.replica = replica
+    def __init__(self, histograms: dict[str, Histogram]) -> None:
+        self.hist = histograms
         self._last: dict[str, tuple[int, float]] = {}  # histogram name -> (count, sum)
 
     def _recent_mean(self, name: str) -> float:
-        h = self.replica.hist[name]
+        h = self.hist[name]
         count, total = h.count, h.total
         last_count, last_total = self._last.get(name, (0, 0.0))
         self._last[name] = (count, total)
@@ -39,28 +41,14 @@ class AutoscalingStats:
             return (total - last_total) / (count - last_count)
         return 0.0
 
-    def _oldest_unscheduled_age(self) -> float:
-        """Age (s) of the oldest request the scheduler has never scheduled (0 if none)."""
-        sched = self.replica.engine.engine.core.scheduler
-        try:
-            waiting = list(sched.waiting)  # the step thread may append meanwhile
-        except RuntimeError:
-            return 0.0
-        oldest = None
-        for r in waiting:
-            if r.status == RequestStatus.WAITING and r.first_scheduled_time is None:
-                oldest = r.arrival_time if oldest is None else min(oldest, r.arrival_time)
-        return 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
-
-    def snapshot(self) -> dict[str, float]:
-        r = self.replica
-        sched = r.engine.engine.core.scheduler
-        unscheduled = self._oldest_unscheduled_age()
+    def snapshot(self, engine: EngineStats, in_flight: int) -> dict[str, float]:
+        oldest = engine.oldest_unscheduled_arrival
+        unscheduled = 0.0 if oldest is None else max(0.0, time.monotonic() - oldest)
         return {
-            "in_flight": float(r.queue.in_flight),
-            "num_running": float(len(sched.running)),
-            "num_waiting": float(len(sched.waiting)),
-            "kv_cache_usage": float(sched.kv_cache_manager.usage()),
+            "in_flight": float(in_flight),
+            "num_running": float(engine.num_running),
+            "num_waiting": float(engine.num_waiting),
+            "kv_cache_usage": float(engine.kv_usage),
             "queue_wait_s": max(self._recent_mean("request_queue_time_seconds"), unscheduled),
             "ttft_s": max(self._recent_mean("time_to_first_token_seconds"), unscheduled),
         }

@@ -12,7 +12,7 @@ Serve deployment options.
 
 `AppConfig.autoscaling` (YAML `args`, `orbital serve --autoscaling FILE`) takes the file's path
 or the same mapping inline; `build_app` calls `autoscaled(cfg, options)` which swaps the fixed
-`num_replicas` for an `AutoscalingConfig` running `router.autoscaling_policy:OrbitalPolicy`,
+`num_replicas` for an `AutoscalingConfig` running `router.controller.autoscaling_policy:OrbitalPolicy`,
 sets the drain budget (graceful shutdown) and the spread of replicas over nodes.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-POLICY_PATH = "router.autoscaling_policy:OrbitalPolicy"
+POLICY_PATH = "router.controller.autoscaling_policy:OrbitalPolicy"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger(__name__)
 

@@ -13,62 +13,20 @@ deployment:
     replica that has room (`max_ongoing_requests`).
 The cache-aware (prefix-hash) policy will replace the ranking; pinning stays.
 
-`known_replicas(app, deployment)` lists the replicas a router in this process knows, so the
-router can fan out stats and health checks.
+`registry.known_replicas(app, deployment)` lists the replicas a router in this process knows,
+so the ingress can fan out stats and health checks; `local_load` counts its running requests.
 """
 from __future__ import annotations
 
-import importlib
 import random
-import threading
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-_ROUTERS: dict[tuple[str, str], "LeastLoadedRouter"] = {}
-
-
-class LocalLoad:
-    """Requests this process runs on each engine replica: +1 when Serve routes a `submit`
-    (`on_request_routed`, in Serve's routing loop), -1 when the router ends the request."""
-
-    def __init__(self):
-        self._lock = threading.Lock()  # Serve's routing loop may run on its own thread
-        self._replica_of: dict[str, str] = {}
-        self._ended: set[str] = set()  # ended before their routing was reported
-        self.counts: dict[str, int] = {}
-
-    def routed(self, request_id: str, replica: str) -> None:
-        with self._lock:
-            if request_id in self._ended:
-                self._ended.discard(request_id)
-                return
-            self._replica_of[request_id] = replica
-            self.counts[replica] = self.counts.get(replica, 0) + 1
-
-    def done(self, request_id: str) -> None:
-        with self._lock:
-            replica = self._replica_of.pop(request_id, None)
-            if replica is None:
-                if len(self._ended) > 10_000:  # routing never reported (call failed): forget
-                    self._ended.clear()
-                self._ended.add(request_id)
-            else:
-                self.counts[replica] -= 1
-
-    def get(self, replica: str) -> int | None:
-        return self.counts.get(replica)
-
-
-local_load = LocalLoad()
-
-
-def known_replicas(app_name: str, deployment_name: str) -> list[tuple[str, dict[str, Any]]]:
-    """(unique replica id, last routing stats) for every replica the local router knows."""
-    r = _ROUTERS.get((app_name, deployment_name))
-    if r is None:
-        return []
-    return [(rep.replica_id.unique_id, dict(rep.routing_stats or {})) for rep in r.replicas]
+# Module objects, not names from them: Serve may ship this class by value (cloudpickle), and a
+# module reference is pickled by name, so the shipped class shares these with the process.
+import router.replica_choice.local_load as local_load_module
+import router.replica_choice.registry as registry
 
 
 def replica_load(queue_len: int | None, routing_stats: dict[str, Any]) -> float:
@@ -77,16 +35,13 @@ def replica_load(queue_len: int | None, routing_stats: dict[str, Any]) -> float:
     return inflight + 0.5 * routing_stats.get("num_waiting", 0) + routing_stats.get("kv_usage", 0.0)
 
 
-class LeastLoadedRouter(FIFOMixin, RequestRouter):
+class LeastLoadedChoice(FIFOMixin, RequestRouter):
     replicas: list[RunningReplica] = []
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.replicas = list(replicas)
         did = self._deployment_id
-        # Serve may ship this class by value (cloudpickle), with its own copy of this module's
-        # globals: register in the module that the rest of the process imports.
-        registry = _module()._ROUTERS
-        registry[(did.app_name, did.name)] = self
+        registry.register(did.app_name, did.name, self)
         super().update_replicas(replicas)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -95,7 +50,7 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
         if target:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         cache = self.replica_queue_len_cache
-        local = _module().local_load
+        local = local_load_module.local_load
 
         def inflight(r: RunningReplica) -> int | None:
             calls, running = cache.get(r.replica_id), local.get(r.replica_id.unique_id)
@@ -105,12 +60,7 @@ class LeastLoadedRouter(FIFOMixin, RequestRouter):
                         key=lambda r: (replica_load(inflight(r), r.routing_stats or {}), random.random()))
         return [[r] for r in scored]
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
         if pending_request.metadata.call_method == "submit" and pending_request.args:
-            _module().local_load.routed(pending_request.args[0], replica_id.unique_id)
+            local_load_module.local_load.routed(pending_request.args[0].request_id, replica_id.unique_id)
 
-
-def _module():
-    """This module as the rest of the process imports it (Serve may ship the router class by
-    value, with its own copy of the module globals)."""
-    return importlib.import_module("router.replica_choice")

@@ -1,4 +1,4 @@
-"""The router: a FastAPI ingress deployment. Tokenizes, applies the chat template, picks an engine
+"""The ingress: a FastAPI Serve deployment. Tokenizes, applies the chat template, picks an engine
 replica (through the engine handle's RequestRouter), detokenizes incrementally and streams.
 
 HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/models), TGI (/, /generate,
@@ -19,14 +19,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from router.backpressure import RouterQueue
+from router.backpressure import IngressQueue
 from router.config import AppConfig
-from router.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
-from router.generation import EngineClient
+from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
+from router.ingress.engine_client import EngineClient
 from router.metrics import render
-from router.openai_api import OpenAIServing
-from router.replica_choice import known_replicas
-from router.tgi_api import TGIServing
+from router.ingress.openai_api import OpenAIServing
+from router.replica_choice.registry import known_replicas
+from router.ingress.tgi_api import TGIServing
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
@@ -37,9 +37,9 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-@serve.deployment(name="Router")
+@serve.deployment(name="Ingress")
 @serve.ingress(app)
-class Router:
+class Ingress:
     def __init__(self, engine, config: dict):
         import torch
         from transformers import AutoTokenizer
@@ -53,7 +53,7 @@ class Router:
         mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
         tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
         inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
-        self.client = EngineClient(engine, tokenizer, inputs, RouterQueue(cfg.max_queued_requests),
+        self.client = EngineClient(engine, tokenizer, inputs, IngressQueue(cfg.max_queued_requests),
                                    cfg.control_timeout_s, cfg.nonstream_batch_interval_s)
         self.openai = OpenAIServing(self.client, cfg.model_name, mc.max_model_len)
         self.tgi = TGIServing(self.client, cfg.model_name, {

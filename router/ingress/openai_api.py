@@ -13,11 +13,11 @@ from typing import AsyncIterator
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from router.errors import APIError
-from router.generation import EngineClient, new_request_id
-from router.openai_logprobs import chat_logprobs, completion_logprobs
-from router.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from router.streams import collect, merge
+from router.ingress.errors import APIError
+from router.ingress.engine_client import EngineClient, new_request_id
+from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
+from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.ingress.streams import collect, merge
 
 
 def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
@@ -85,7 +85,7 @@ class OpenAIServing:
                 lp = None
                 if req.logprobs is not None:
                     lp = completion_logprobs(c.logprobs or [], out.prompt_logprobs if req.echo else None,
-                                             out.prompt_token_ids, self.client.outputs._token_str, 0)
+                                             out.prompt_token_ids, self.client.token_text, 0)
                 choices.append({"index": i * params.n + c.index, "text": echo + c.text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "text_completion", "created": int(arrival), "model": self.model_name,
@@ -138,7 +138,7 @@ class OpenAIServing:
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(c.logprobs_delta or [], prompt_lps, out.prompt_token_ids,
-                                         self.client.outputs._token_str, offsets.get(idx, 0))
+                                         self.client.token_text, offsets.get(idx, 0))
             offsets[idx] = offsets.get(idx, 0) + len(text)
             if c.finished:
                 done.add(idx)
@@ -172,7 +172,7 @@ class OpenAIServing:
         (out,) = await collect([stream])
         _check_errors(out)
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, self.client.outputs._token_str) if req.logprobs else None,
+                    "logprobs": chat_logprobs(c.logprobs, self.client.token_text) if req.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
         return {"id": rid, "object": "chat.completion", "created": int(arrival), "model": self.model_name,
                 "choices": choices, "usage": _usage(len(ids), [out])}
@@ -204,7 +204,7 @@ class OpenAIServing:
                     delta["content"] = c.text_delta
                 if not delta and not c.finished and not c.logprobs_delta:
                     continue
-                lp = chat_logprobs(c.logprobs_delta or [], self.client.outputs._token_str) if req.logprobs else None
+                lp = chat_logprobs(c.logprobs_delta or [], self.client.token_text) if req.logprobs else None
                 if c.finished:
                     done.add(c.index)
                 choices.append({"index": c.index, "delta": delta, "logprobs": lp,

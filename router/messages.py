@@ -1,0 +1,68 @@
+"""The messages between an ingress replica and an engine replica (one module per boundary).
+
+ingress -> replica (unary calls pinned to the replica, see replica_choice/):
+  * `SubmitRequest`: start a request (token ids in; the ingress validated it already);
+  * `FinishSequences`: the ingress matched a stop string: end these sequences now;
+  * `AbortRequest`: the client went away: end the request before the next engine step.
+replica -> ingress (the output channel, one streaming call per (ingress, replica)):
+  * `StepOutputs`: every output of one engine step (or several, for non-streamed requests) for
+    that ingress's requests, plus the requests that failed, as one pickled bytes object.
+    `decode` checks the type once, where the bytes come in.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+from engine.outputs import EngineCoreOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    ingress_id: str  # whose output channel carries the outputs
+    arrival_wall: float  # time.time() at the ingress (TTFT and e2e latency count from it)
+    priority: int = 0
+    # > 0 (non-streamed requests): after the first output, hand outputs to the channel at most
+    # this often: fewer ingress wake-ups, same results.
+    batch_interval_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishSequences:
+    sequence_ids: list[str]  # child ids (engine.request.child_request_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    request_id: str
+    error: BaseException  # raised to the request's caller at the ingress
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    failures: list[RequestFailed] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs or self.failures)
+
+
+def encode(msg: StepOutputs) -> bytes:
+    # C pickle of small dataclasses costs a few microseconds each; Ray then ships one bytes object.
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(payload: bytes) -> StepOutputs:
+    msg = pickle.loads(payload)  # only from our own replicas
+    if type(msg) is not StepOutputs:
+        raise TypeError(f"output channel message is a {type(msg).__name__}, not StepOutputs")
+    return msg
