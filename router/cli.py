@@ -17,34 +17,41 @@ import sys
 import time
 
 
+
+def _d(field: str):
+    """AppConfig's default for a flag (defaults live in one place)."""
+    from router.config import AppConfig
+
+    return AppConfig.model_fields[field].default
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbital", description="Orbital: distributed LLM serving on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model (OpenAI + TGI HTTP) until Ctrl-C")
     s.add_argument("--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    s.add_argument("--replicas", type=int, default=1, help="engine replicas")
+    s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=_d("tensor_parallel_size"))
+    s.add_argument("--replicas", type=int, default=_d("num_replicas"), help="engine replicas")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
-    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default=_d("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--device", default=_d("device"))
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="KV cache per replica (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--gpu-memory-utilization", type=float, default=_d("gpu_memory_utilization"))
     s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--max-num-seqs", type=int, default=128)
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
+    s.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"))
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     s.add_argument("--address", default="local",
                    help="Ray cluster: 'local' starts one (default), 'auto' or host:port joins a running one")
-    s.add_argument("--max-queued-requests", type=int, default=256, help="per router replica; past it 429")
-    s.add_argument("--max-queued-requests-per-replica", type=int, default=64)
-    s.add_argument("--request-timeout-s", type=float, default=600.0)
-    s.add_argument("--max-request-body-bytes", type=int, default=4 << 20)
+    s.add_argument("--max-queued-requests", type=int, default=_d("max_queued_requests"), help="per router replica; past it 429")
+    s.add_argument("--max-queued-requests-per-replica", type=int, default=_d("max_queued_requests_per_replica"))
+    s.add_argument("--request-timeout-s", type=float, default=_d("request_timeout_s"))
+    s.add_argument("--max-request-body-bytes", type=int, default=_d("max_request_body_bytes"))
     s.add_argument("--autoscaling", default=None, metavar="YAML",
                    help="autoscaling policy file (deploy/autoscaling.yaml); replaces --replicas")
     return p

@@ -1,13 +1,15 @@
 """AppConfig: everything a deployment sets (YAML `args`, CLI flags, Python), one pydantic model.
 
-`engine_args()` builds the engine's EngineArgs fields from it (principle 6: one function turns
-the outer config into the inner one).
+`engine_args()` builds the engine's EngineArgs fields from it: one function turns the outer
+config into the inner one, and every engine default is EngineArgs' own (`_E`), never repeated.
 """
 from __future__ import annotations
 
 import os
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.engine_args import EngineArgs as _E
 
 
 class AppConfig(BaseModel):
@@ -16,19 +18,19 @@ class AppConfig(BaseModel):
     # --- the model and the engine ---
     model: str | None = Field(None, description="Local HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct.")
     served_model_name: str | None = Field(None, description="Name clients pass as `model` (default: from the path).")
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16.")
-    device: str = Field("cpu", description="cpu | cuda.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Workers per engine replica (a TP group).")
+    dtype: str = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
+    device: str = Field(_E.device, description="cpu | cuda.")
+    tensor_parallel_size: int = Field(_E.tensor_parallel_size, ge=1, description="Workers per engine replica (a TP group).")
     num_replicas: int = Field(1, ge=1, description="Engine replicas behind the router.")
     kv_cache_memory_bytes: int | None = Field(
-        None, gt=0, description="KV cache budget per replica (default: 1 GiB on CPU; on CUDA the "
+        _E.kv_cache_memory_bytes, gt=0, description="KV cache budget per replica (default: 1 GiB on CPU; on CUDA the "
         "gpu_memory_utilization share of the GPU's memory left after the weights and a profiled step).")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: share of GPU memory a replica may use.")
-    max_model_len: int | None = Field(None, description="Context length (default: the model's).")
-    max_num_seqs: int = Field(128, ge=1, description="Sequences per engine step.")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="Tokens per engine step.")
-    block_size: int = Field(16, ge=1)
-    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = Field(_E.gpu_memory_utilization, gt=0, le=1, description="CUDA: share of GPU memory a replica may use.")
+    max_model_len: int | None = Field(_E.max_model_len, description="Context length (default: the model's).")
+    max_num_seqs: int = Field(_E.max_num_seqs, ge=1, description="Sequences per engine step.")
+    max_num_batched_tokens: int = Field(_E.max_num_batched_tokens, ge=1, description="Tokens per engine step.")
+    block_size: int = Field(_E.block_size, ge=1)
+    enable_prefix_caching: bool = _E.enable_prefix_caching
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
