@@ -1,13 +1,19 @@
-"""`python -m engine` / `orbital-generate`: run prompts through the offline engine from a shell."""
+"""`python -m engine` / `orbital-generate`: run prompts through the offline engine from a shell.
+
+`python -m workers` is the same command built with the Ray executor factory (`--tp` > 1)."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from engine.executor import ExecutorFactory
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine", description="Generate text with Orbital's engine (offline).")
+def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description="Generate text with Orbital's engine (offline).")
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", help="prompt (repeatable); read from stdin lines when absent")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
@@ -33,15 +39,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, executor_factory: ExecutorFactory | None = None,
+         prog: str = "python -m engine") -> int:
+    """`executor_factory`: who builds this engine picks its executor (ARCHITECTURE.md, rule 5)."""
+    args = parse_args(argv, prog)
     from engine import LLM, OrbitalError, SamplingParams
+    from engine.executor import in_process_executor
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+        llm = LLM(args.model, executor_factory=executor_factory or in_process_executor, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,

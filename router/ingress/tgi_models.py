@@ -58,11 +58,6 @@ class Details(BaseModel):
     top_tokens: list[list[Token]] | None = None
 
 
-class GenerateResponse(BaseModel):
-    generated_text: str
-    details: Details | None = None
-
-
 class StreamDetails(BaseModel):
     finish_reason: str
     generated_tokens: int
@@ -76,22 +71,3 @@ class StreamResponse(BaseModel):
     top_tokens: list[Token] | None = None
     generated_text: str | None = None
     details: StreamDetails | None = None
-
-
-class Info(BaseModel):
-    model_id: str
-    model_sha: str | None = None
-    model_dtype: str
-    model_device_type: str
-    model_pipeline_tag: str = "text-generation"
-    max_concurrent_requests: int
-    max_best_of: int = 1
-    max_stop_sequences: int = 16
-    max_input_tokens: int
-    max_total_tokens: int
-    validation_workers: int = 1
-    max_client_batch_size: int = 1
-    router: str = "orbital"
-    version: str
-    sha: str | None = None
-    docker_label: str | None = None
