@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.input_processor import PromptInput
@@ -24,6 +24,11 @@ from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -60,11 +65,11 @@ class AsyncEngine:
     # --- public API -------------------------------------------------------------------------
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
     async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,

@@ -60,7 +60,7 @@ def _split_buckets(blocks: list[int]) -> list[tuple[int, int]]:
     return runs[::-1]
 
 
-def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_size: int, device,
+def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_size: int, device: torch.device | str,
                      decode_buckets: bool = True) -> StepBatch:
     bs = block_size
     decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: states[i].num_computed_tokens)

@@ -9,12 +9,16 @@ the bucket) and replays; any other step runs eagerly.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.decode_inputs import DecodeInputs
 from engine.forward_context import forward_context
 from engine.runner_state import RunnerRequestState
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaForCausalLM
 
 MAX_GRAPH_BATCH = 256
 
@@ -27,7 +31,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, inputs: DecodeInputs, max_batch: int):
+    def __init__(self, model: LlamaForCausalLM, inputs: DecodeInputs, max_batch: int) -> None:
         self.model, self.inputs = model, inputs
         self.buckets = graph_buckets(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -14,7 +14,7 @@ from engine.runner_state import RunnerRequestState
 
 
 class DecodeInputs:
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, sink_block: int, device):
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, sink_block: int, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.bs, self.sink_block = block_size, sink_block
         pin = self.device.type == "cuda"

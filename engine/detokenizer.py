@@ -8,12 +8,18 @@ so a replacement character that would later change is never streamed.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 _REPLACEMENT = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt tokens used as the first window (leading-space context)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # Only the window is kept from the prompt; output ids are appended as they come.

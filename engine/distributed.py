@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -39,7 +40,7 @@ def set_tp_group(size: int, rank: int, group: object | None = None) -> None:
 
 
 @contextmanager
-def bound_tp_group(tp: TPGroup):
+def bound_tp_group(tp: TPGroup) -> Iterator[TPGroup]:
     """Use `tp` on this thread for the duration (model loading and each step of rank 0)."""
     prev = getattr(_BOUND, "tp", None)
     _BOUND.tp = tp

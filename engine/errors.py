@@ -1,4 +1,5 @@
 """Typed errors the engine raises; the serving layer maps them to HTTP status codes."""
+from __future__ import annotations
 
 
 class OrbitalError(Exception):
@@ -8,7 +9,7 @@ class OrbitalError(Exception):
 class InvalidRequestError(OrbitalError, ValueError):
     """The request itself is wrong (bad sampling value, empty prompt...). HTTP 400."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 

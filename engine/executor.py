@@ -37,7 +37,7 @@ class InProcessExecutor(Executor):
     """tp=1: the model runner lives in this process; no Ray hop per step."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
-                 cuda_graph_max_batch: int = 0):
+                 cuda_graph_max_batch: int = 0) -> None:
         from engine.model_runner import ModelRunner
 
         self.runner = ModelRunner(model_config, cache_config, device, cuda_graph_max_batch)

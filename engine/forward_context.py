@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from engine.layers.attention.metadata import AttentionMetadata
 
 _CURRENT: Any = None
 
 
-def get_attn_metadata():
+def get_attn_metadata() -> AttentionMetadata | None:
     return _CURRENT
 
 
 @contextlib.contextmanager
-def forward_context(attn_metadata):
+def forward_context(attn_metadata: AttentionMetadata) -> Iterator[None]:
     global _CURRENT
     prev, _CURRENT = _CURRENT, attn_metadata
     try:

@@ -7,10 +7,15 @@ later step may need again on top of the pool.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
 
-def kv_budget_from_free_memory(runner, utilization: float, num_tokens: int) -> int:
+
+def kv_budget_from_free_memory(runner: ModelRunner, utilization: float, num_tokens: int) -> int:
     device = runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

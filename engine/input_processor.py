@@ -2,18 +2,21 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_config import ModelConfig
 from engine.request import Request, child_request_ids
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 PromptInput = str | dict | Sequence[int]
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, model_config: ModelConfig, prefix_caching: bool):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig, prefix_caching: bool) -> None:
         self.tokenizer, self.mc, self.prefix_caching = tokenizer, model_config, prefix_caching
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -41,7 +44,7 @@ class InputProcessor:
                 raise InvalidRequestError(f"token id {t!r} is outside the vocabulary [0, {v})", param="prompt")
         return list(ids)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         for m in messages:
@@ -51,7 +54,7 @@ class InputProcessor:
             raise InvalidRequestError("this model has no chat template; use completions", param="messages")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def tokenize_chat(self, messages: list[dict], **kwargs) -> tuple[str, list[int]]:
+    def tokenize_chat(self, messages: list[dict], **kwargs: Any) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, **kwargs)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 

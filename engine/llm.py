@@ -1,7 +1,7 @@
 """The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages, params)`."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tqdm.auto import tqdm
 
@@ -12,17 +12,20 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 class LLM:
     """Batch generation with continuous batching. `model=None` is the embedded SmolLM2-135M-Instruct.
     tensor_parallel_size > 1 needs `workers.LLM` (or executor_factory=workers.make_executor)."""
 
     def __init__(self, model: str | None = None, executor_factory: ExecutorFactory = in_process_executor,
-                 **kwargs) -> None:
+                 **kwargs: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs), executor_factory)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
@@ -45,7 +48,7 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, **template_kwargs) -> list[RequestOutput]:
+             use_tqdm: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:

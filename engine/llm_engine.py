@@ -27,7 +27,7 @@ class LLMEngine:
     """`executor_factory` builds the executor: the in-process one by default (tp=1); whoever
     builds a tp>1 engine passes one that spans processes (workers.make_executor)."""
 
-    def __init__(self, args: EngineArgs, executor_factory: ExecutorFactory = in_process_executor):
+    def __init__(self, args: EngineArgs, executor_factory: ExecutorFactory = in_process_executor) -> None:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         self.args = args

@@ -31,7 +31,7 @@ def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generat
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu",
-                 cuda_graph_max_batch: int = 0):
+                 cuda_graph_max_batch: int = 0) -> None:
         self.mc, self.cc = model_config, cache_config
         # > 0: decode steps of up to this many rows replay CUDA graphs (CUDA, tp=1, paged kernel).
         self.cuda_graph_max_batch = cuda_graph_max_batch

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopChecker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -54,7 +58,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _RequestState] = {}
         self._child_to_parent: dict[str, tuple[_RequestState, _ChildState]] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 class StopChecker:
-    def __init__(self, stop: list[str], include_stop_str_in_output: bool = False):
+    def __init__(self, stop: list[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in stop if s]
         self.include = include_stop_str_in_output
         self.max_len = max((len(s) for s in self.stop), default=0)

@@ -1,6 +1,8 @@
 """Scheduler + executor: one step = schedule, run the model, update requests. Token ids only."""
 from __future__ import annotations
 
+from typing import Iterable
+
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.executor import Executor
@@ -10,17 +12,17 @@ from engine.stats import EngineStats
 
 
 class EngineCore:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor) -> None:
         self.executor = executor
         self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids) -> None:
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
-    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:

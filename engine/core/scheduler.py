@@ -25,7 +25,7 @@ from engine.stats import EngineStats
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size

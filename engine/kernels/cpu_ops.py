@@ -18,6 +18,11 @@ import os
 import platform
 import threading
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -69,7 +74,7 @@ def build_target() -> str:
     return supported[0]
 
 
-def load_cpu_ops():
+def load_cpu_ops() -> ModuleType | None:
     global _MODULE, _TRIED
     if not _TRIED:  # the layers ask on every forward: no lock once the answer is known
         with _LOCK:
@@ -106,7 +111,7 @@ def _build():
         return None
 
 
-def cpu_ops_for(x) -> object | None:
+def cpu_ops_for(x: torch.Tensor) -> object | None:
     """The ops module for a CPU tensor (None for other devices or when the ops are unavailable)."""
     return load_cpu_ops() if x.device.type == "cpu" else None
 

@@ -7,12 +7,17 @@ Each parameter carries a `weight_loader` that slices the full checkpoint tensor 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce
 from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.weight_utils import copy_into, narrow
+
+if TYPE_CHECKING:
+    from engine.layers.weight_utils import Weight
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -22,7 +27,7 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=None):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_size, self.tp_rank = tp.size, tp.rank
@@ -36,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, w, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: int | str | None = None) -> None:
         size = param.shape[0]
         copy_into(param, narrow(w, 0, self.tp_rank * size, size))
 
@@ -51,11 +56,12 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (e.g. gate and up projections)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, dtype=None):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, w, shard_id: int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: int | None = None) -> None:
         if shard_id is None:
             return super().weight_loader(param, w)
         size = self.output_sizes[shard_id] // self.tp_size
@@ -67,7 +73,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection sharded per head. With fewer KV heads than ranks, each KV head
     is replicated on tp/num_kv_heads ranks (tp must be a multiple of num_kv_heads)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False, dtype=None):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         tp = get_tp_group()
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
@@ -81,7 +88,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp.size
         super().__init__(hidden_size, out, bias, dtype)
 
-    def weight_loader(self, param: nn.Parameter, w, shard_id: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: str | None = None) -> None:
         if shard_id is None:
             return super().weight_loader(param, w)
         hd, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -99,7 +106,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype=None):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_size, self.tp_rank = tp.size, tp.rank
@@ -112,7 +119,7 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, w, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: int | str | None = None) -> None:
         size = param.shape[1]
         copy_into(param, narrow(w, 1, self.tp_rank * size, size))
 

@@ -20,6 +20,7 @@ weight is the embedding) and rows <= SMALL_ROWS go through it. ORBITAL_SMALL_LIN
 from __future__ import annotations
 
 import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 SMALL_ROWS = 4
 
 
-def small_linear_ops():
+def small_linear_ops() -> ModuleType | None:
     """The C++ ops when their few-row linear has a vector path here, else None."""
     if os.environ.get("ORBITAL_SMALL_LINEAR", "1") == "0":
         return None

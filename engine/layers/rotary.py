@@ -3,14 +3,18 @@ llama3 frequency scaling, cached as cos/sin tables indexed by absolute position.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.kernels.cpu_ops import cpu_ops_for
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def rope_parameters(config) -> dict:
+
+def rope_parameters(config: PretrainedConfig) -> dict:
     """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None) or {}
@@ -44,7 +48,7 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, params: dict, dtype=torch.float32):
+    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.head_dim = head_dim
         inv = _inv_freq(head_dim, params)
@@ -65,7 +69,7 @@ class RotaryEmbedding(nn.Module):
         ops = cpu_ops_for(qkv)
         return ops is not None and ops.rotary(qkv, positions, self.cos, self.sin, heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

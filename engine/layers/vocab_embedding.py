@@ -6,6 +6,8 @@ logits and rank 0 gathers them.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,9 +16,12 @@ from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
 from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.weight_utils import copy_into, narrow, shape_of
 
+if TYPE_CHECKING:
+    from engine.layers.weight_utils import Weight
+
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype=None):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_size, self.tp_rank = tp.size, tp.rank
@@ -27,7 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.per_partition, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, w, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: int | str | None = None) -> None:
         rows = shape_of(w)[0]
         if rows != self.vocab_size:
             raise ValueError(f"embedding has {rows} rows, config says vocab_size={self.vocab_size}")
@@ -44,7 +49,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False, dtype=None):
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__(vocab_size, hidden_size, dtype)
         self.bias = None
         self.tied = False

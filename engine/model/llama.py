@@ -6,7 +6,7 @@ Parameter names follow Hugging Face checkpoints except the fused `qkv_proj` and
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.weight_utils import default_weight_loader
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
 
@@ -31,12 +34,12 @@ _STACKED = [
 ]
 
 
-def head_dim_of(config) -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, dtype):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         qwen2 = config.model_type == "qwen2"
         attn_bias = bool(getattr(config, "attention_bias", False))
@@ -61,7 +64,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -76,14 +79,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, dtype):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, dtype)
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions, x, residual):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -94,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int, dtype):
+    def __init__(self, config: PretrainedConfig, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
@@ -110,7 +114,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, max_position: int | None = None, dtype=torch.float32):
+    def __init__(self, config: PretrainedConfig, max_position: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:

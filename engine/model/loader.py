@@ -7,12 +7,17 @@ from __future__ import annotations
 import glob
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
 from engine.layers.packed_gemm import packing_enabled
 from engine.model.gguf_convert import EMBEDDED_NAME, convert_gguf, embedded_gguf_path
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from engine.model.llama import LlamaForCausalLM
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -53,7 +58,8 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, object]]:
                 yield name, fh.get_slice(name)
 
 
-def load_model(model_dir: Path, hf_config, dtype: torch.dtype, device: torch.device, max_position: int):
+def load_model(model_dir: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+               max_position: int) -> LlamaForCausalLM:
     from engine.model.llama import LlamaForCausalLM
 
     with torch.device(device):

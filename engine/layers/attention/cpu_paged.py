@@ -17,16 +17,16 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
     name = "cpu_paged"
     uses_decode_buckets = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.kernel = load_cpu_ops()
 
-    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype:
             self.kernel.write_kv(kv_cache, k, v, slot_mapping)  # row copies, not index_copy_
         else:
             super().write_kv(kv_cache, k, v, slot_mapping)
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         nd = meta.num_decode_tokens
         if nd == 0:
             return
@@ -35,7 +35,8 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
         out[:nd] = self.kernel.paged_decode(q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1],
                                             meta.decode_block_table, meta.decode_seq_lens, scale).to(out.dtype)
 
-    def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         if not meta.prefills:
             return
         if q.device.type == "cpu" and meta.prefill_info is not None:

@@ -10,7 +10,7 @@ from engine.layers.attention.selector import get_backend
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: AttentionBackend | None = None):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.backend = backend or get_backend()

@@ -39,17 +39,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 class ReferenceAttentionBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         self.decode(q, kv_cache, meta, scale, out)
         self.prefill(q, k, v, kv_cache, meta, scale, out)
         return out
 
-    def write_kv(self, kv_cache, k, v, slot_mapping) -> None:
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         write_kv(kv_cache, k, v, slot_mapping)
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         t, hq, d = q.shape
         hkv = kv_cache.shape[1]
         g = hq // hkv
@@ -61,7 +62,8 @@ class ReferenceAttentionBackend(AttentionBackend):
             o = decode_attention(qb, kb, vb, bk.mask, scale)  # [Hkv, b, G, D]
             out[bk.start : bk.end] = o.transpose(0, 1).reshape(b, hq, d)
 
-    def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         t, hq, d = q.shape
         hkv = kv_cache.shape[1]
         g = hq // hkv

@@ -27,12 +27,12 @@ class TritonPagedAttentionBackend(ReferenceAttentionBackend):
     name = "triton_paged"
     uses_decode_buckets = False
 
-    def __init__(self):
+    def __init__(self) -> None:
         from engine.layers.attention.triton_kernel import paged_attention
 
         self.kernel = paged_attention
 
-    def decode(self, q, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         nd = meta.num_decode_tokens
         if nd == 0:
             return
@@ -43,7 +43,8 @@ class TritonPagedAttentionBackend(ReferenceAttentionBackend):
         self.kernel(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], out, meta.decode_block_table, meta.decode_info,
                     1, scale, _DECODE_BLOCK_M)
 
-    def prefill(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
         if not meta.prefills:
             return
         self.kernel(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], out, meta.prefill_block_table, meta.prefill_info,
