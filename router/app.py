@@ -15,6 +15,8 @@ From a Serve config: `serve run deploy/serve.yaml` (import_path `router.app:app_
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ray.serve.config import RequestRouterConfig
 
 from router.controller.autoscaling_config import autoscaled
@@ -22,6 +24,9 @@ from router.config import AppConfig
 from router.replica.deployment import EngineReplica
 from router.ingress.deployment import Ingress
 from router.serve_tuning import single_loop
+
+if TYPE_CHECKING:
+    from ray.serve import Application
 
 ROUTING_STATS_PERIOD_S = 1.0
 
@@ -65,7 +70,7 @@ def required_cpus(cfg: AppConfig) -> float:
     return cfg.num_replicas * per_replica + cfg.router_replicas * cfg.router_cpus
 
 
-def build_app(cfg: AppConfig | dict | None = None):
+def build_app(cfg: AppConfig | dict | None = None) -> Application:
     """The Serve Application (pass it to `serve.run`)."""
     if cfg is None:
         cfg = AppConfig()
@@ -84,6 +89,6 @@ def build_app(cfg: AppConfig | dict | None = None):
     return ingress.bind(engine, cfg.model_dump())
 
 
-def app_builder(args: AppConfig):
+def app_builder(args: AppConfig) -> Application:
     """Application builder for `serve run` / Serve config files (args validated by AppConfig)."""
     return build_app(args)

@@ -14,7 +14,7 @@ from engine.errors import OrbitalError
 class OverloadedError(OrbitalError):
     """Too many queued requests; the client should retry after `retry_after` seconds."""
 
-    def __init__(self, message: str, retry_after: int = 1):
+    def __init__(self, message: str, retry_after: int = 1) -> None:
         super().__init__(message)
         self.retry_after = retry_after
 
@@ -52,10 +52,10 @@ class _Queue:
 
 
 class IngressQueue(_Queue):
-    def __init__(self, max_queued: int):
+    def __init__(self, max_queued: int) -> None:
         super().__init__(max_queued, "the router")
 
 
 class ReplicaQueue(_Queue):
-    def __init__(self, max_queued: int):
+    def __init__(self, max_queued: int) -> None:
         super().__init__(max_queued, "the engine replica")

@@ -15,6 +15,10 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.config import AppConfig
 
 
 
@@ -57,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(a: argparse.Namespace):
+def config_from_args(a: argparse.Namespace) -> AppConfig:
     from router.config import AppConfig
 
     cores = a.num_cpus or os.cpu_count() or 1

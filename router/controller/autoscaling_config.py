@@ -22,10 +22,15 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from ray.serve.config import AutoscalingConfig
+
+    from router.config import AppConfig
 
 POLICY_PATH = "router.controller.autoscaling_policy:OrbitalPolicy"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -152,7 +157,7 @@ def load_autoscaling(source: str | os.PathLike | dict | AutoscalingFile) -> Auto
     return parse_autoscaling(data, str(path))
 
 
-def serve_autoscaling_config(pool: PoolPolicy):
+def serve_autoscaling_config(pool: PoolPolicy) -> AutoscalingConfig:
     """Serve's AutoscalingConfig for one pool (Serve keeps enforcing min/max and the delays)."""
     from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
 
@@ -207,7 +212,7 @@ def pool_deployment_options(pool: PoolPolicy, options: dict) -> dict:
     return opts
 
 
-def autoscaled(cfg, engine_options: dict):
+def autoscaled(cfg: AppConfig, engine_options: dict) -> tuple[AppConfig, dict]:
     """(cfg, engine deployment options) with `cfg.autoscaling` applied; unchanged without it.
 
     The returned cfg carries the validated policy inline (the router replicas need no file)

@@ -65,7 +65,7 @@ class OrbitalPolicy:
 
     def __init__(self, target_ongoing_requests: float = 8.0, target_kv_cache_usage: float | None = None,
                  target_queue_wait_s: float | None = None, ttft_slo_s: float | None = None,
-                 max_step: float = 2.0):
+                 max_step: float = 2.0) -> None:
         if target_ongoing_requests <= 0:
             raise ValueError(f"target_ongoing_requests must be > 0, got {target_ongoing_requests}")
         self.kwargs = dict(target_ongoing_requests=target_ongoing_requests,

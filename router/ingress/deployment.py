@@ -7,13 +7,14 @@ Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
 `generate` (TGI), `models`, `health`, `metrics`.
 """
+from __future__ import annotations
 
 import asyncio
 import hmac
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,6 +29,9 @@ from router.ingress.openai_api import OpenAIServing
 from router.replica_choice.registry import known_replicas
 from router.ingress.tgi_api import TGIServing
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
 install_handlers(app)
@@ -40,7 +44,7 @@ def _sse(obj) -> str:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine, config: dict):
+    def __init__(self, engine: DeploymentHandle, config: dict) -> None:
         import torch
         from transformers import AutoTokenizer
 
@@ -138,15 +142,15 @@ class Ingress:
     # --- OpenAI -----------------------------------------------------------------------------
 
     @app.post("/v1/completions")
-    async def http_completions(self, request: Request):
+    async def http_completions(self, request: Request) -> Response:
         return await self._respond(request, self.openai.completions)
 
     @app.post("/v1/chat/completions")
-    async def http_chat_completions(self, request: Request):
+    async def http_chat_completions(self, request: Request) -> Response:
         return await self._respond(request, self.openai.chat_completions)
 
-    @app.get("/v1/models")
-    async def http_models(self, request: Request):
+    @app.get("/v1/models", response_model=None)  # the annotation is not a response model
+    async def http_models(self, request: Request) -> JSONResponse | dict:
         try:
             self._auth(request)
         except APIError as e:
@@ -156,15 +160,15 @@ class Ingress:
     # --- TGI --------------------------------------------------------------------------------
 
     @app.post("/generate")
-    async def http_generate(self, request: Request):
+    async def http_generate(self, request: Request) -> Response:
         return await self._respond(request, self.tgi.generate, tgi=True)
 
     @app.post("/generate_stream")
-    async def http_generate_stream(self, request: Request):
+    async def http_generate_stream(self, request: Request) -> Response:
         return await self._respond(request, self.tgi.generate_stream, tgi=True)
 
     @app.post("/")
-    async def http_compat_generate(self, request: Request):
+    async def http_compat_generate(self, request: Request) -> Response:
         """TGI's compat route (what InferenceClient(base_url) posts to): `stream` picks the kind."""
         return await self._respond(request, self._compat, tgi=True)
 
@@ -173,8 +177,8 @@ class Ingress:
             return await self.tgi.generate_stream(body)
         return [await self.tgi.generate(body)]
 
-    @app.get("/info")
-    async def http_info(self):
+    @app.get("/info", response_model=None)  # the annotation is not a response model
+    async def http_info(self) -> dict:
         return self.tgi.info()
 
     # --- operations -------------------------------------------------------------------------
@@ -216,23 +220,23 @@ class Ingress:
         return render(self.settings.model_name, await self.replica_stats(), router)
 
     @app.get("/health")
-    async def http_health(self):
+    async def http_health(self) -> JSONResponse:
         h = await self.health()
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")
-    async def http_metrics(self):
+    async def http_metrics(self) -> Response:
         return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- Python handle API ------------------------------------------------------------------
 
-    async def completions(self, body: dict):
+    async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
         return await self._call(self.openai.completions(body))
 
-    async def chat_completions(self, body: dict):
+    async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
         return await self._call(self.openai.chat_completions(body))
 
-    async def generate(self, body: dict):
+    async def generate(self, body: dict) -> dict | AsyncIterator[dict]:
         if body.get("stream"):
             return await self._call(self.tgi.generate_stream(body))
         return await self._call(self.tgi.generate(body))

@@ -19,7 +19,7 @@ import contextvars
 import logging
 import time
 import uuid
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
@@ -31,6 +31,10 @@ from router.ingress.output_reader import OutputReader
 from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
 from router.replica_choice.local_load import local_load
 
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +45,7 @@ def new_request_id(prefix: str) -> str:
 class EngineClient:
     """Runs requests on the engine deployment through a DeploymentHandle."""
 
-    def __init__(self, handle, tokenizer, inputs: InputProcessor, queue: IngressQueue,
+    def __init__(self, handle: DeploymentHandle, tokenizer: PreTrainedTokenizerBase, inputs: InputProcessor, queue: IngressQueue,
                  control_timeout_s: float = 10.0, nonstream_batch_interval_s: float = 0.0) -> None:
         self.handle = handle
         self.nonstream_batch_interval_s = nonstream_batch_interval_s

@@ -34,7 +34,7 @@ _TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 413: 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")

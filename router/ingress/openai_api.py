@@ -48,7 +48,7 @@ def _check_errors(out: RequestOutput) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, model_name: str, max_model_len: int):
+    def __init__(self, client: EngineClient, model_name: str, max_model_len: int) -> None:
         self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
 
     def models(self) -> dict:
@@ -61,7 +61,7 @@ class OpenAIServing:
 
     # --- /v1/completions --------------------------------------------------------------------
 
-    async def completions(self, body: dict):
+    async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
         req = CompletionRequest.model_validate(body)
         self.check_model(req.model)
         if req.suffix:
@@ -148,7 +148,7 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ---------------------------------------------------------------
 
-    async def chat_completions(self, body: dict):
+    async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
         req = ChatCompletionRequest.model_validate(body)
         self.check_model(req.model)
         if req.tools:

@@ -12,9 +12,12 @@ import asyncio
 import contextvars
 import logging
 import uuid
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from router.messages import StepOutputs, decode
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ class LostRequestsError(RuntimeError):
 
 
 class OutputReader:
-    def __init__(self, stream_handle, on_batch: Callable[[str, StepOutputs], None],
+    def __init__(self, stream_handle: DeploymentHandle, on_batch: Callable[[str, StepOutputs], None],
                  on_error: Callable[[str, list[str], BaseException], None]) -> None:
         self.stream_handle = stream_handle
         self.ingress_id = f"ingress-{uuid.uuid4().hex}"

@@ -47,7 +47,7 @@ def finish_reason(c: CompletionOutput) -> str:
 
 
 class TGIServing:
-    def __init__(self, client: EngineClient, model_name: str, info: dict):
+    def __init__(self, client: EngineClient, model_name: str, info: dict) -> None:
         self.client, self.model_name, self.info_body = client, model_name, info
         self.special = set(getattr(client.tokenizer, "all_special_ids", []) or [])
 

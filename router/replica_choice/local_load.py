@@ -8,7 +8,7 @@ class LocalLoad:
     """Requests this process runs on each engine replica: +1 when Serve routes a `submit`
     (`on_request_routed`, in Serve's routing loop), -1 when the router ends the request."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()  # Serve's routing loop may run on its own thread
         self._replica_of: dict[str, str] = {}
         self._ended: set[str] = set()  # ended before their routing was reported
