@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,9 +16,14 @@ from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import TPGroup, bound_tp_group
 from workers.rank_runner import RankRunner
 
+if TYPE_CHECKING:
+    from engine.config import CacheConfig
+    from engine.model_config import ModelConfig
+    from engine.model_runner import ModelRunner
+
 
 class DriverRank(RankRunner):
-    def __init__(self, world_size: int, device: str | torch.device, num_threads: int):
+    def __init__(self, world_size: int, device: str | torch.device, num_threads: int) -> None:
         self.world_size = world_size
         self.device = torch.device(device)
         self.num_threads = num_threads  # the engine's configured torch threads
@@ -41,7 +47,7 @@ class DriverRank(RankRunner):
 
         self.tp = join_group(0, self.world_size, *self.rendezvous, self.device, store=self._store)
 
-    def load(self, model_config, cache_config) -> int:
+    def load(self, model_config: ModelConfig, cache_config: CacheConfig) -> int:
         with bound_tp_group(self.tp):
             return self._build_runner(model_config, cache_config)
 
@@ -77,7 +83,7 @@ class DriverRank(RankRunner):
                 **runner_info(self.runner, self.device, self.num_threads)}
 
 
-def runner_info(runner, device, num_threads: int | None = None) -> dict:
+def runner_info(runner: ModelRunner | None, device: torch.device | str, num_threads: int | None = None) -> dict:
     """What tests check about a rank's shard: parameter bytes, KV heads and cache shape."""
     from engine.model.loader import parameter_bytes
 

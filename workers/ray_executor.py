@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -28,6 +29,9 @@ from workers.remote_ranks import RemoteRanks
 from workers.sharding import check_tp_compatible
 from workers.worker import StepInput, TPWorker, sampled_delta
 
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
 logger = logging.getLogger(__name__)
 
 
@@ -39,9 +43,9 @@ class RayExecutor(Executor):
     The KV budget (`kv_cache_memory_bytes`) is per rank."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
-                 device: str | torch.device = "cpu", *, placement_group=None, bundle_indices: list[int] | None = None,
+                 device: str | torch.device = "cpu", *, placement_group: PlacementGroup | None = None, bundle_indices: list[int] | None = None,
                  num_cpus_per_worker: float = 1.0, step_timeout_s: float | None = None,
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0) -> None:
         self.tp = tp = parallel.tensor_parallel_size
         check_tp_compatible(model_config.hf_config, tp)
         self.device = torch.device(device)

@@ -14,17 +14,21 @@ from __future__ import annotations
 import pickle
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import ray
 
+if TYPE_CHECKING:
+    from workers.worker import StepInput
+
 
 class RemoteRanks:
-    def __init__(self, actors: list, reap_every: int = 4, max_pending: int = 16):
+    def __init__(self, actors: list, reap_every: int = 4, max_pending: int = 16) -> None:
         self.actors = actors  # actors[i] is rank i + 1
         self.reap_every, self.max_pending = reap_every, max_pending
         self._pending: deque[list] = deque()  # one list of refs per submitted step, oldest first
 
-    def submit(self, inp) -> None:
+    def submit(self, inp: StepInput) -> None:
         inp.sent_at = time.perf_counter()
         payload = pickle.dumps(inp, protocol=pickle.HIGHEST_PROTOCOL)
         self._pending.append([a.execute.remote(payload) for a in self.actors])

@@ -2,10 +2,15 @@
 so a bad tensor_parallel_size is a clear error instead of a failure inside a remote rank."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def check_tp_compatible(hf_config, tp: int) -> None:
+
+def check_tp_compatible(hf_config: PretrainedConfig, tp: int) -> None:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     inter = hf_config.intermediate_size
@@ -23,7 +28,7 @@ def check_tp_compatible(hf_config, tp: int) -> None:
                                   param="tensor_parallel_size")
 
 
-def kv_heads_per_rank(hf_config, tp: int) -> int:
+def kv_heads_per_rank(hf_config: PretrainedConfig, tp: int) -> int:
     """KV heads each rank stores: kv/tp, or 1 when KV heads are replicated (kv < tp)."""
     kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     return kv // tp if kv >= tp else 1
