@@ -1,6 +1,6 @@
 """Batched sampling state for one step, built once by the model runner from per-request state.
 
-Everything the sampler needs travels in this one object (principle 7). Tensors that only some
+Everything the sampler needs travels in this one object (ARCHITECTURE.md, rule 7). Tensors that only some
 features need (penalties, top-k/p, min-p, min_tokens blocking) are built only when a request in
 the batch uses them, so the common all-greedy batch is just an argmax.
 """

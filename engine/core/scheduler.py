@@ -1,6 +1,6 @@
 """Continuous-batching scheduler (vLLM V1 semantics): one token budget per step.
 
-Every scheduled request gets "compute the next N tokens" (principle 2): running requests first,
+Every scheduled request gets "compute the next N tokens" (ARCHITECTURE.md, rule 2): running requests first,
 then waiting ones in policy order. Chunked prefill is what happens when N is cut by the budget.
 Progress (`num_computed_tokens`) advances in schedule(); update_from_output() appends sampled
 tokens and applies stop conditions.

@@ -1,6 +1,6 @@
 """Per-step messages between the scheduler and the model runner(s).
 
-Only deltas cross this boundary (principle 1): a request's full state is sent once, when it is
+Only deltas cross this boundary (ARCHITECTURE.md, rule 1): a request's full state is sent once, when it is
 first scheduled (or resumed after preemption); after that only new block ids and counts.
 The runner keeps its own per-request state keyed by request id and appends the tokens it
 sampled itself.
