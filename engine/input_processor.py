@@ -14,10 +14,35 @@ if TYPE_CHECKING:
 
 PromptInput = str | dict | Sequence[int]
 
+# apply_chat_template's parameters and the variables it sets itself: never from a client.
+_RESERVED_TEMPLATE_ARGS = frozenset({
+    "chat_template", "tokenize", "tools", "documents", "conversation", "messages", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+    "raise_exception", "strftime_now",
+})
+
+
+def _template_variables(template: str | dict | None) -> frozenset[str]:
+    """Free variables of a chat template (every named template when there are several)."""
+    import jinja2
+    from jinja2 import meta
+
+    sources = list(template.values()) if isinstance(template, dict) else [template] if template else []
+    names: set[str] = set()
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    for src in sources:
+        try:
+            names |= meta.find_undeclared_variables(env.parse(src))
+        except jinja2.TemplateSyntaxError:
+            continue
+    return frozenset(names - _RESERVED_TEMPLATE_ARGS)
+
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig, prefix_caching: bool) -> None:
         self.tokenizer, self.mc, self.prefix_caching = tokenizer, model_config, prefix_caching
+        self._template_vars: frozenset[str] | None = None
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -53,6 +78,19 @@ class InputProcessor:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use completions", param="messages")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def template_variables(self, requested: dict[str, Any]) -> dict[str, Any]:
+        """The client's `chat_template_kwargs`, reduced to variables this model's chat template
+        reads (e.g. `enable_thinking`). apply_chat_template's own parameters (`chat_template`,
+        `tokenize`, `tools`, ...) are refused: a client must not swap the template or reach
+        features by the back door. Variables the template never reads are dropped."""
+        bad = sorted(k for k in requested if k in _RESERVED_TEMPLATE_ARGS)
+        if bad:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(bad)}",
+                                      param="chat_template_kwargs")
+        if self._template_vars is None:
+            self._template_vars = _template_variables(getattr(self.tokenizer, "chat_template", None))
+        return {k: v for k, v in requested.items() if k in self._template_vars}
 
     def tokenize_chat(self, messages: list[dict], **kwargs: Any) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, **kwargs)

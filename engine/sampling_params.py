@@ -1,11 +1,13 @@
 """Per-request sampling parameters, validated at construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 @dataclass
@@ -42,6 +44,10 @@ class SamplingParams:
         def bad(param: str, msg: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {msg}", param=param)
 
+        for name in _FLOAT_FIELDS:  # NaN and infinity pass every range check below
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.n > 128:

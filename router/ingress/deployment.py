@@ -79,7 +79,9 @@ class Ingress:
         if not key:
             return
         got = request.headers.get("authorization", "")
-        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip(), key)):
+        # Bytes, not str: compare_digest refuses non-ASCII str (a header may carry any byte).
+        given = got[7:].strip().encode("utf-8", "surrogateescape")
+        if not (got.startswith("Bearer ") and hmac.compare_digest(given, key.encode("utf-8"))):
             raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
                            code="invalid_api_key")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,9 +27,9 @@ log = logging.getLogger(__name__)
 TGI_PATHS = ("/generate", "/generate_stream")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
           500: "server_error", 503: "service_unavailable", 504: "timeout"}
-_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 413: "validation",
+_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 413: "validation", 415: "validation",
               422: "validation", 429: "overloaded", 503: "overloaded", 504: "incomplete_generation"}
 
 
@@ -86,8 +87,10 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc))
     if isinstance(exc, TimeoutError):
         return APIError(504, "the request timed out", code="timeout")
-    log.exception("internal error", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+    # The body names no exception internals; the log line carries them under the same id.
+    incident = uuid.uuid4().hex[:16]
+    log.error("internal error %s", incident, exc_info=exc)
+    return APIError(500, f"internal server error (incident {incident}; details are in the server log)")
 
 
 def is_tgi_path(path: str) -> bool:
@@ -128,7 +131,11 @@ def install_handlers(app: FastAPI) -> None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, at most `limit` bytes (413 past it, 400 if not JSON)."""
+    """The request body as JSON, at most `limit` bytes (413 past it, 400 if not JSON, 415 when
+    the Content-Type names something else: a browser may post a form cross-site, never JSON)."""
+    ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise APIError(415, f"Content-Type must be application/json, got {ctype!r}")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is {length} bytes; the limit is {limit}")
@@ -142,3 +149,5 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks))
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # deeper nesting than the parser's stack allows
+        raise APIError(400, "the request body is not valid JSON: nested too deeply") from None

@@ -160,7 +160,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = self.client.inputs.template_variables(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         text, ids = self.client.inputs.tokenize_chat(

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class GenerateParameters(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/inf: 400, not a sampler fault
 
     max_new_tokens: int | None = Field(100, description="Tokens to generate (TGI's default: 100).")
     temperature: float | None = None
@@ -35,7 +35,7 @@ class GenerateParameters(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/inf: 400, not a sampler fault
 
     inputs: str = Field(..., min_length=1)
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)

@@ -89,6 +89,52 @@ def test_huge_body(serve_cluster):
     _check(r, 413)
 
 
+def test_non_finite_numbers(base_url, background_stream):
+    """NaN and infinity in any spelling are a 400 naming the field, on both APIs."""
+    for raw in (b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}',
+                b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}',
+                b'{"prompt": "hi", "max_tokens": 2, "temperature": "NaN"}',
+                b'{"prompt": "hi", "max_tokens": 2, "top_p": -Infinity}'):
+        err = _check(post(base_url, content=raw, headers={"content-type": "application/json"}), 400)
+        assert err["param"] in ("temperature", "top_p"), err
+    r = post(base_url, "/generate", content=b'{"inputs": "hi", "parameters": {"temperature": NaN}}',
+             headers={"content-type": "application/json"})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
+
+
+def test_deeply_nested_json(base_url):
+    _check(post(base_url, content=b"[" * 100_000 + b"]" * 100_000, headers={"content-type": "application/json"}), 400)
+    nested = b'{"prompt": "hi", "user": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    _check(post(base_url, content=nested, headers={"content-type": "application/json"}), 400)
+
+
+def test_chat_template_kwargs_cannot_replace_the_template(base_url):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for key, value in (("chat_template", "{{ 'owned' }}"), ("tokenize", True), ("tools", [{"type": "function"}])):
+        err = _check(post(base_url, "/v1/chat/completions", json={**chat, "chat_template_kwargs": {key: value}}),
+                     400, "chat_template_kwargs")
+        assert key in err["message"]
+    # Variables the template does not read are dropped, not an error (clients send them generically).
+    r = post(base_url, "/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+
+
+def test_content_type_must_be_json(base_url):
+    r = post(base_url, content=b'{"prompt": "hi", "max_tokens": 2}',
+             headers={"content-type": "application/x-www-form-urlencoded"})
+    err = _check(r, 415)
+    assert "application/json" in err["message"]
+    r = post(base_url, "/generate", content=b'{"inputs": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error_type"] == "validation", r.text
+
+
+def test_non_ascii_authorization_is_a_401(serve_cluster):
+    url = serve_cluster["strict_url"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
+                   headers=[(b"authorization", "Bearer clé-ünïcødé".encode())])
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+
+
 def test_others_kept_serving(base_url, background_stream):
     r = post(base_url, json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200

@@ -183,3 +183,22 @@ def test_serve_yaml_builds_the_app():
     assert isinstance(app, Application)
     with pytest.raises(ValidationError):  # args are validated by AppConfig
         call_user_app_builder_with_args_if_necessary(import_attr(raw["import_path"]), {"tensor_parallel_size": 0})
+
+
+def test_internal_errors_hide_their_details(caplog):
+    from router.ingress.errors import to_api_error
+
+    with caplog.at_level("ERROR"):
+        err = to_api_error(RuntimeError("secret /etc/passwd detail"))
+    assert err.status == 500 and "secret" not in err.message and "RuntimeError" not in err.message
+    incident = err.message.split("incident ")[1].split(";")[0]
+    assert any(incident in r.getMessage() and r.exc_info for r in caplog.records)  # the log has it all
+
+
+def test_sampling_params_refuse_non_finite_numbers():
+    from engine.sampling_params import SamplingParams
+
+    for field in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            with pytest.raises(InvalidRequestError, match=field):
+                SamplingParams(**{field: bad})
