@@ -2,7 +2,9 @@
 
 For each model (random weights of a real shape, built and saved by the script: the embedded
 SmolLM2-135M's shape and a ~1B Llama) and each batch size B: B requests of --prompt-len
-token ids, greedy, exactly --output-len new tokens each (ignore_eos), all arriving at once.
+token ids (loadtest's seeded `uniform` workload text, tokenized and cut or filled to exactly
+that length; the weights are random, so only the lengths matter), greedy, exactly --output-len
+new tokens each (ignore_eos), all arriving at once.
 Figures: output tokens/s over the whole run, and TTFT (engine: mean over requests of the time
 from arrival to their first token; transformers: one batched generate of a single token).
 Each engine configuration named in --backends (an attention backend, `:eager` for no CUDA
@@ -22,9 +24,14 @@ import time
 import torch
 
 
-def _prompts(b: int, plen: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (b, plen), generator=g).tolist()
+def _prompts(b: int, plen: int, tok, seed: int) -> list[list[int]]:
+    """b prompts of exactly plen token ids: loadtest's seeded `uniform` workload at one length."""
+    from loadtest import workloads
+    from loadtest.tokens import HFTokenCounter
+
+    cfg = workloads.WorkloadConfig("uniform", num_requests=b, seed=seed, prompt_range=(plen, plen),
+                                   output_range=(1, 1))  # output lengths: the caller's
+    return [workloads.token_ids(s, tok, plen) for s in workloads.build(cfg, HFTokenCounter(tok, "model"))]
 
 
 def run_engine(llm, prompts: list[list[int]], new: int) -> dict:
@@ -89,9 +96,9 @@ def bench_model(shape: str, args) -> list[dict]:
             num_blocks = llm.engine.core.executor.num_blocks
             # Warm-up at the largest batch: kernels compile and the allocator grows to a full
             # prefill step's size before timing (else the first timed batch-256 TTFT paid for it).
-            run_engine(llm, _prompts(max(args.batches), args.prompt_len, len(tok), 99), 8)
+            run_engine(llm, _prompts(max(args.batches), args.prompt_len, tok, 99), 8)
             for b in args.batches:
-                r = run_engine(llm, _prompts(b, args.prompt_len, len(tok), b), args.output_len)
+                r = run_engine(llm, _prompts(b, args.prompt_len, tok, b), args.output_len)
                 rows.append({"model": shape, "params": nparams, "system": f"engine ({config})", "batch": b,
                              "kv_blocks": num_blocks, "start_s": start_s, **r})
                 print(json.dumps(rows[-1]), flush=True)
@@ -100,7 +107,7 @@ def bench_model(shape: str, args) -> list[dict]:
             torch.cuda.empty_cache()
         if not args.skip_hf:
             for b in args.batches:
-                r = run_hf(hf, _prompts(b, args.prompt_len, len(tok), b), args.output_len)
+                r = run_hf(hf, _prompts(b, args.prompt_len, tok, b), args.output_len)
                 rows.append({"model": shape, "params": nparams, "system": "transformers static", "batch": b, **r})
                 print(json.dumps(rows[-1]), flush=True)
         del hf
@@ -118,7 +125,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
     ap.add_argument("--backends", nargs="+", default=["triton_paged", "triton_paged:eager"],

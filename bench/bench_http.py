@@ -21,22 +21,14 @@ import os
 import socket
 import time
 
+from loadtest.tokens import HFTokenCounter
+from loadtest.workloads import WorkloadConfig, build
+
 
 def workload(n: int, seed: int, max_output: int, tokenizer) -> list[tuple[str, int]]:
     """(prompt, output tokens): loadtest's seeded mixed workload, output lengths capped."""
-    try:
-        from loadtest.tokens import HFTokenCounter
-        from loadtest.workloads import WorkloadConfig, build
-
-        specs = build(WorkloadConfig(name="mixed", num_requests=n, seed=seed), HFTokenCounter(tokenizer, "smollm2"))
-        return [(s.prompt, min(s.max_tokens, max_output)) for s in specs]
-    except ImportError:  # loadtest absent: a seeded stand-in
-        import random
-
-        rng = random.Random(seed)
-        words = "the of and to in is that it for on with as was at by an be this from".split()
-        return [(" ".join(rng.choice(words) for _ in range(rng.randint(20, 400))), rng.randint(16, max_output))
-                for _ in range(n)]
+    specs = build(WorkloadConfig(name="mixed", num_requests=n, seed=seed), HFTokenCounter(tokenizer, "smollm2"))
+    return [(s.prompt, min(s.max_tokens, max_output)) for s in specs]
 
 
 def engine_kwargs(a) -> dict:

@@ -14,6 +14,14 @@ in its model runner (timed in the driver, where rank 0 now runs), per decode ste
 the step to the remote ranks and reaping their finished calls. Waiting on a remote rank inside
 a collective counts as rank 0's model time, so compare "step ms" and tok/s across tp too.
 "empty" is a call with nothing scheduled (no collective: the submit and reap alone).
+"lag" is submit -> a remote rank's model runner starting the step, measured from outside the
+product classes: the driver's submits are time-stamped by wrapping the executor's `submit`,
+the ranks' starts by a wrapper put around each actor's model runner with Ray's `__ray_call__`.
+
+The batch's prompts are loadtest's seeded `uniform` workload at one length (`loadtest.workloads`,
+the generator the load tester uses), as token ids cut or filled to exactly `--prompt-len`;
+the random Llama is saved with SmolLM2's tokenizer for this (bench/random_llama.py says where
+it comes from).
 """
 from __future__ import annotations
 
@@ -25,8 +33,11 @@ import torch
 
 
 def smollm_shaped_llama(path) -> str:
-    """A random Llama with SmolLM2-135M's sizes but 12 heads / 6 KV heads (divides by 2 and 3)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random Llama with SmolLM2-135M's sizes but 12 heads / 6 KV heads (divides by 2 and 3),
+    saved with SmolLM2's tokenizer (the prompts are token ids of loadtest's text)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from bench.random_llama import tokenizer_dir
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         torch.manual_seed(0)
@@ -34,6 +45,7 @@ def smollm_shaped_llama(path) -> str:
                           num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=2048,
                           tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
         LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(path)
     return str(path)
 
 
@@ -56,12 +68,16 @@ def _build(model, dtype, tp, threads, budget):
 
 
 class _Timed:
-    """Wraps execute_model to time the driver side; in-process also times the model runner
-    (the Ray executor's rank 0 times its own, `DriverRank.model_s`)."""
+    """Times the executor from outside, by wrapping methods of its objects (no hooks in them):
+    the driver's `execute_model`; the model runner of the in-process executor or of rank 0 (in
+    the driver); and, for the Ray executor, the remote ranks' start lag: the driver's submit
+    times against the times each rank's model runner starts the step (recorded in the actor by a
+    wrapper installed with Ray's `__ray_call__`; same node, same monotonic clock)."""
 
     def __init__(self, ex):
         self.ex, self.exec_s, self.model_s = ex, 0.0, 0.0
-        runner = getattr(ex, "runner", None)
+        rank0 = getattr(ex, "rank0", None)
+        runner = rank0.runner if rank0 is not None else getattr(ex, "runner", None)
         if runner is not None:
             inner = runner.execute_model
 
@@ -81,50 +97,89 @@ class _Timed:
             finally:
                 self.exec_s += time.perf_counter() - t
         ex.execute_model = outer
+        self.sent: list[float] | None = None
+        if rank0 is not None:
+            import ray
+
+            self.sent = []
+            submit = ex.remote.submit
+
+            def stamped(inp):
+                self.sent.append(time.perf_counter())
+                return submit(inp)
+            ex.remote.submit = stamped
+
+            def probe(worker):  # runs in each actor (nested: pickled by value)
+                import time as _time
+
+                starts, run = [], worker.runner.execute_model
+
+                def started(so):
+                    starts.append(_time.perf_counter())
+                    return run(so)
+                started.starts = starts
+                worker.runner.execute_model = started
+            ray.get([w.__ray_call__.remote(probe) for w in ex.workers])
+
+    def _starts(self, clear: bool) -> list[list[float]]:
+        """Each remote rank's step start times. `__ray_call__` runs in the actor's default group,
+        after every step submitted before it: a barrier, so each rank has started all of them."""
+        import ray
+
+        def read(worker):
+            starts = worker.runner.execute_model.starts
+            out = list(starts)
+            if clear:
+                starts.clear()
+            return out
+        return ray.get([w.__ray_call__.remote(read) for w in self.ex.workers])
 
     def reset(self):
         self.exec_s = self.model_s = 0.0
-        if getattr(self.ex, "rank0", None) is not None:
-            self.ex.rank0.model_s = 0.0
-            self._remote_stats(reset=True)
-
-    def _remote_stats(self, reset=False):
-        import ray
-
-        return ray.get([w.step_stats.options(concurrency_group="control").remote(reset) for w in self.ex.workers])
+        if self.sent is not None:
+            self._starts(clear=True)
+            self.sent.clear()
 
     def start_lag_s(self):
         """Mean over remote ranks and steps of submit -> the rank starting the step (None at tp=1)."""
-        if getattr(self.ex, "rank0", None) is None:
+        if self.sent is None:
             return None
-        stats = self._remote_stats()
-        return sum(lag / max(1, n) for n, lag in stats) / len(stats)
+        per_rank = []
+        for starts in self._starts(clear=False):
+            assert len(starts) == len(self.sent), (len(starts), len(self.sent))
+            per_rank.append(sum(b - a for a, b in zip(self.sent, starts)) / max(1, len(starts)))
+        return sum(per_rank) / len(per_rank)
 
     def rank0_model_s(self):
-        rank0 = getattr(self.ex, "rank0", None)
-        return rank0.model_s if rank0 is not None else self.model_s
+        return self.model_s
 
 
-def _requests(mc, batch, prompt_len, new_tokens, tag):
+def _requests(mc, tokenizer, batch, prompt_len, new_tokens, tag):
+    """`batch` prompts of exactly `prompt_len` token ids: loadtest's seeded `uniform` workload."""
     from engine.input_processor import InputProcessor
     from engine.sampling_params import SamplingParams
+    from loadtest import workloads
+    from loadtest.tokens import HFTokenCounter
 
     ip = InputProcessor(None, mc, True)
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    g = torch.Generator().manual_seed(0)
+    cfg = workloads.WorkloadConfig("uniform", num_requests=batch, seed=0, prompt_range=(prompt_len, prompt_len),
+                                   output_range=(new_tokens, new_tokens))
     reqs = []
-    for i in range(batch):
-        ids = torch.randint(100, mc.vocab_size - 100, (prompt_len,), generator=g).tolist()
-        reqs += ip.make_requests(f"{tag}-{i}", ids, sp)
+    for i, spec in enumerate(workloads.build(cfg, HFTokenCounter(tokenizer, "model"))):
+        reqs += ip.make_requests(f"{tag}-{i}", workloads.token_ids(spec, tokenizer, prompt_len), sp)
     return reqs
 
 
 def bench_config(args, tp, threads):
+    from transformers import AutoTokenizer
+
     mc, core = _build(args.model, args.dtype, tp, threads, max(args.batch * args.prompt_len, 64))
+    tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
     timer = _Timed(core.executor)
     try:
         # Per-step overhead: prefill once, warm up, then time decode steps of the same batch.
-        for r in _requests(mc, args.batch, args.prompt_len, args.steps + 8, "o"):
+        for r in _requests(mc, tokenizer, args.batch, args.prompt_len, args.steps + 8, "o"):
             core.add_request(r)
         core.step()
         for _ in range(3):
@@ -148,7 +203,7 @@ def bench_config(args, tp, threads):
         while core.has_unfinished_requests():
             core.step()
         # Throughput: a fresh batch from prompt to last token (prefill included).
-        for r in _requests(mc, args.batch, args.prompt_len, args.new_tokens, "t"):
+        for r in _requests(mc, tokenizer, args.batch, args.prompt_len, args.new_tokens, "t"):
             core.add_request(r)
         t, produced = time.perf_counter(), 0
         while core.has_unfinished_requests():

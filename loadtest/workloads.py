@@ -1,7 +1,9 @@
-"""Seeded, reproducible workloads: mixed, shared-prefix, multi-turn chat, long-prompt, or JSONL.
+"""Seeded, reproducible workloads: mixed, uniform, shared-prefix, multi-turn chat, long-prompt, or JSONL.
 
 The same (name, parameters, seed, tokenizer) always gives the same request list byte for byte
-(``dumps``). Lengths are in tokens of the given counter (see ``tokens.py``).
+(``dumps``). Lengths are in tokens of the given counter (see ``tokens.py``). The one request
+generator of the project: the load tester sends these over HTTP, the benchmarks in ``bench/``
+feed them to the engine (``token_ids`` turns a prompt into the engine's input ids).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class RequestSpec:
 
 @dataclass
 class WorkloadConfig:
-    name: str = "mixed"                  # mixed | shared-prefix | multi-turn | long-prompt | jsonl
+    name: str = "mixed"                  # mixed | uniform | shared-prefix | multi-turn | long-prompt | jsonl
     num_requests: int = 100
     seed: int = 0
     output_tokens: int | None = None     # override every request's output length
@@ -47,6 +49,8 @@ class WorkloadConfig:
     suffix_range: tuple[int, int] = (20, 60)
     turns: int = 4                       # multi-turn
     long_range: tuple[int, int] = (1500, 3500)  # long-prompt
+    prompt_range: tuple[int, int] = (20, 600)   # uniform: prompt tokens, drawn uniformly
+    output_range: tuple[int, int] = (10, 500)   # uniform: output tokens, drawn uniformly
     extra: dict = field(default_factory=dict)
 
 
@@ -62,6 +66,20 @@ def mixed(n: int, rng: random.Random, counter: TokenCounter) -> list[RequestSpec
         prompt = textgen.fit(rng, counter, head, tail, target)
         specs.append(RequestSpec(f"mixed-{i}", out, prompt=prompt, prompt_tokens=counter.count(prompt),
                                  kind=kind.name))
+    return specs
+
+
+def uniform(cfg: WorkloadConfig, rng: random.Random, counter: TokenCounter) -> list[RequestSpec]:
+    """Plain filler prompts (no task framing) whose length and output length are drawn uniformly
+    from ``cfg.prompt_range`` and ``cfg.output_range``: the engine benchmarks' shape. A prompt is
+    the drawn length or a few tokens under it (cut at a word)."""
+    specs = []
+    for i in range(cfg.num_requests):
+        target = rng.randint(*cfg.prompt_range)
+        out = rng.randint(*cfg.output_range)
+        prompt = textgen.fit(rng, counter, "", "", target)
+        specs.append(RequestSpec(f"uniform-{i}", out, prompt=prompt, prompt_tokens=counter.count(prompt),
+                                 kind="uniform"))
     return specs
 
 
@@ -138,6 +156,8 @@ def build(cfg: WorkloadConfig, counter: TokenCounter) -> list[RequestSpec]:
     rng = random.Random(cfg.seed)
     if cfg.name == "mixed":
         specs = mixed(cfg.num_requests, rng, counter)
+    elif cfg.name == "uniform":
+        specs = uniform(cfg, rng, counter)
     elif cfg.name == "shared-prefix":
         specs = shared_prefix(cfg, rng, counter)
     elif cfg.name == "multi-turn":
@@ -154,6 +174,20 @@ def build(cfg: WorkloadConfig, counter: TokenCounter) -> list[RequestSpec]:
         for s in specs:
             s.max_tokens = cfg.output_tokens
     return specs
+
+
+def token_ids(spec: RequestSpec, tokenizer, length: int | None = None) -> list[int]:
+    """The request's prompt as token ids of ``tokenizer`` (a transformers tokenizer, no special
+    tokens), for benchmarks that feed the engine ids. Chat messages are joined by newlines (no
+    chat template). ``length``: exactly that many ids, the prompt's cut, or repeated from its start
+    to fill what the word-boundary cut left short (for fixed-shape batches)."""
+    text = spec.prompt if spec.prompt is not None else "\n".join(m["content"] for m in spec.messages or ())
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if length is None:
+        return ids
+    if not ids:
+        raise ValueError(f"{spec.id}: empty prompt, cannot fill {length} tokens")
+    return (ids * -(-length // len(ids)))[:length]
 
 
 def dumps(specs: list[RequestSpec]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -25,8 +24,8 @@ class StepInput:
     so: SchedulerOutput
     # request id -> token ids rank 0 sampled in the previous step (applied by ranks != 0).
     prev_sampled: dict[str, list[int]] = field(default_factory=dict)
-    # Driver's time.perf_counter() at submit (CLOCK_MONOTONIC: same clock on the node), so a
-    # rank can measure how late it starts the step: rank 0 waits that long in the first collective.
+    # Driver's time.perf_counter() at submit (set by RemoteRanks.submit). No rank reads it: the
+    # benchmark measures the start lag from outside (bench/bench_tp.py).
     sent_at: float = 0.0
 
 
@@ -49,9 +48,7 @@ class TPWorker(RankRunner):
         self.runner = None
         self.tp = None
         self._broken: str | None = None
-        self._fail_next = False
         self._rendezvous: tuple[str, int] | None = None
-        self._steps, self._lag_s = 0, 0.0  # steps run, and their summed start lag (benchmarks)
 
     # ---- set-up, called once in this order ----
     def join(self, addr: str, port: int) -> None:
@@ -73,12 +70,7 @@ class TPWorker(RankRunner):
         if torch.get_num_threads() != self.num_threads:  # in case Ray runs us on another thread
             torch.set_num_threads(self.num_threads)
         try:
-            if self._fail_next:
-                self._fail_next = False
-                raise RuntimeError("injected fault")
             inp: StepInput = pickle.loads(payload)
-            self._steps += 1
-            self._lag_s += time.perf_counter() - inp.sent_at
             states = self.runner.states
             for rid, toks in inp.prev_sampled.items():
                 st = states.get(rid)
@@ -117,17 +109,6 @@ class TPWorker(RankRunner):
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
                 "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self._rendezvous,
                 **runner_info(self.runner, self.device)}
-
-    def step_stats(self, reset: bool = False) -> tuple[int, float]:
-        """(steps, summed seconds from the driver's submit to this rank starting the step)."""
-        stats = (self._steps, self._lag_s)
-        if reset:
-            self._steps, self._lag_s = 0, 0.0
-        return stats
-
-    def fail_next_step(self) -> None:
-        """Test hook: the next `execute` raises as if the model had failed on this rank."""
-        self._fail_next = True
 
     def shutdown(self) -> None:
         self._leave()

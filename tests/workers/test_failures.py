@@ -37,8 +37,20 @@ def _break_during_generation(llm: LLM, how: str):
             time.sleep(0.005)
         if how == "kill":
             ray.kill(ex.workers[0])  # rank 1
-        elif how == "raise":
-            ray.get(ex.workers[0].fail_next_step.remote())
+        elif how == "raise":  # from outside: rank 1's model runner raises on its next step
+            def raise_once(worker):  # runs inside the actor (nested: pickled by value)
+                import weakref
+
+                # Only a weak reference: the raised error's frames keep `broken` alive, and a
+                # strong one would keep the runner and its process group open after the rank
+                # drops them, so rank 0 would wait out the collective timeout.
+                runner = weakref.ref(worker.runner)
+
+                def broken(so):
+                    del runner().execute_model  # the class's method again
+                    raise RuntimeError("injected fault")
+                worker.runner.execute_model = broken
+            ray.get(ex.workers[0].__ray_call__.remote(raise_once))
         else:  # rank 0, in this process, raises inside its model step
             runner, inner = ex.rank0.runner, ex.rank0.runner.execute_model
 
