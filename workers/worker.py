@@ -12,11 +12,16 @@ import os
 import pickle
 import traceback
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from workers.rank_runner import RankRunner
+
+if TYPE_CHECKING:
+    from engine.config import CacheConfig
+    from engine.model_config import ModelConfig
 
 
 @dataclass
@@ -38,7 +43,7 @@ def sampled_delta(out: ModelRunnerOutput | None) -> dict[str, list[int]]:
 class TPWorker(RankRunner):
     """Wrapped with ray.remote by the executor (this module itself does not need ray)."""
 
-    def __init__(self, rank: int, world_size: int, device: str = "cpu", num_threads: int = 1):
+    def __init__(self, rank: int, world_size: int, device: str = "cpu", num_threads: int = 1) -> None:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -59,7 +64,7 @@ class TPWorker(RankRunner):
         self.tp = join_group(self.rank, self.world_size, addr, port, self.device)
         set_tp_group(self.tp.size, self.tp.rank, self.tp.group)
 
-    def load(self, model_config, cache_config) -> int:
+    def load(self, model_config: ModelConfig, cache_config: CacheConfig) -> int:
         return self._build_runner(model_config, cache_config)
 
     # ---- per step ----
