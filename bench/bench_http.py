@@ -176,7 +176,7 @@ def _sum(passes: list[dict], key: str = "wall_s") -> float:
 
 
 def _kind(cmdline: str) -> str:
-    for key, kind in (("EngineReplica", "engine"), (":Router", "router"), ("ProxyActor", "proxy"),
+    for key, kind in (("EngineReplica", "engine"), (":Ingress", "ingress"), ("ProxyActor", "proxy"),
                       ("ServeController", "controller"), ("raylet", "raylet"), ("gcs_server", "gcs")):
         if key in cmdline:
             return kind
@@ -185,9 +185,11 @@ def _kind(cmdline: str) -> str:
 
 def _server_cpu(exclude: set[int]) -> dict[str, float]:
     """CPU time (user + system) of this process's descendants but `exclude` (the local Ray
-    cluster: GCS, raylet, Serve controller, proxy, router and engine replicas), by kind."""
+    cluster: GCS, raylet, Serve controller, proxy, ingress and engine replicas), by kind."""
+    # isort: off
     import ray  # noqa: F401 - puts Ray's bundled psutil on the path
     import psutil
+    # isort: on
 
     out: dict[str, float] = {}
     for p in psutil.Process().children(recursive=True):

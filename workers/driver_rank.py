@@ -6,7 +6,6 @@ live in one process and be stepped from any thread.
 from __future__ import annotations
 
 import gc
-import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -31,7 +30,6 @@ class DriverRank(RankRunner):
         self.runner = None
         self._store = None
         self.rendezvous: tuple[str, int] | None = None
-        self.steps, self.model_s = 0, 0.0  # time inside the model runner (benchmarks)
 
     # ---- set-up ----
     def open_rendezvous(self) -> tuple[str, int]:
@@ -56,11 +54,7 @@ class DriverRank(RankRunner):
         if torch.get_num_threads() != self.num_threads:  # the engine may step us from its own thread
             torch.set_num_threads(self.num_threads)
         with bound_tp_group(self.tp):
-            t0 = time.perf_counter()
-            out = self.runner.execute_model(so)
-            self.model_s += time.perf_counter() - t0
-            self.steps += 1
-        return out
+            return self.runner.execute_model(so)
 
     def leave(self, exc: BaseException | None = None) -> None:
         """Close our end of the group (remote ranks blocked with us fail instead of waiting)."""

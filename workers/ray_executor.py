@@ -27,7 +27,8 @@ from workers.driver_rank import DriverRank
 from workers.placement import ensure_ray, place_group, rank_resources, release_ray
 from workers.remote_ranks import RemoteRanks
 from workers.sharding import check_tp_compatible
-from workers.worker import StepInput, TPWorker, sampled_delta
+from workers.messages import StepInput
+from workers.worker import TPWorker, sampled_delta
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

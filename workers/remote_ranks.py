@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import ray
 
 if TYPE_CHECKING:
-    from workers.worker import StepInput
+    from workers.messages import StepInput
 
 
 class RemoteRanks:
@@ -29,7 +29,6 @@ class RemoteRanks:
         self._pending: deque[list] = deque()  # one list of refs per submitted step, oldest first
 
     def submit(self, inp: StepInput) -> None:
-        inp.sent_at = time.perf_counter()
         payload = pickle.dumps(inp, protocol=pickle.HIGHEST_PROTOCOL)
         self._pending.append([a.execute.remote(payload) for a in self.actors])
 

@@ -11,27 +11,17 @@ import gc
 import os
 import pickle
 import traceback
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.core.scheduler_output import ModelRunnerOutput
+from workers.messages import StepInput
 from workers.rank_runner import RankRunner
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig
     from engine.model_config import ModelConfig
-
-
-@dataclass
-class StepInput:
-    so: SchedulerOutput
-    # request id -> token ids rank 0 sampled in the previous step (applied by ranks != 0).
-    prev_sampled: dict[str, list[int]] = field(default_factory=dict)
-    # Driver's time.perf_counter() at submit (set by RemoteRanks.submit). No rank reads it: the
-    # benchmark measures the start lag from outside (bench/bench_tp.py).
-    sent_at: float = 0.0
 
 
 def sampled_delta(out: ModelRunnerOutput | None) -> dict[str, list[int]]:
