@@ -12,7 +12,7 @@ from loadtest.metrics import SLO
 from loadtest.tokens import TokenCounter, load_counter
 from loadtest.workloads import WorkloadConfig
 
-WORKLOADS = ("mixed", "shared-prefix", "multi-turn", "long-prompt", "jsonl")
+WORKLOADS = ("mixed", "uniform", "shared-prefix", "multi-turn", "long-prompt", "jsonl")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -48,6 +48,8 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     g.add_argument("--suffix-tokens", type=_range, default=(20, 60), help="shared-prefix: LO-HI")
     g.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
     g.add_argument("--long-tokens", type=_range, default=(1500, 3500), help="long-prompt: LO-HI")
+    g.add_argument("--prompt-range", type=_range, default=(20, 600), help="uniform: prompt tokens LO-HI")
+    g.add_argument("--output-range", type=_range, default=(10, 500), help="uniform: output tokens LO-HI")
 
 
 def add_arrival(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
@@ -85,7 +87,8 @@ def workload_config(a) -> WorkloadConfig:
     name = "jsonl" if a.workload_file else a.workload
     return WorkloadConfig(name=name, num_requests=a.num_requests, seed=a.seed, output_tokens=a.output_tokens,
                           path=a.workload_file, prefix_tokens=a.prefix_tokens, num_prefixes=a.num_prefixes,
-                          suffix_range=a.suffix_tokens, turns=a.turns, long_range=a.long_tokens)
+                          suffix_range=a.suffix_tokens, turns=a.turns, long_range=a.long_tokens,
+                          prompt_range=a.prompt_range, output_range=a.output_range)
 
 
 def counter(a) -> TokenCounter:
