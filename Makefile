@@ -20,7 +20,7 @@ $(KSTAMP): $(STAMP) $(wildcard engine/kernels/cpu/*)
 	$(PY) -m engine.kernels.cpu_ops
 	touch $(KSTAMP)
 
-.PHONY: venv run test test-fast bench
+.PHONY: venv run test test-fast lint bench
 venv: $(STAMP) $(KSTAMP)
 
 # Serve the embedded model (OpenAI + TGI HTTP) on http://127.0.0.1:8000 until Ctrl-C.
@@ -29,6 +29,11 @@ run: $(STAMP) $(KSTAMP)
 
 test: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q tests
+
+# Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test-fast: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q -m "not slow" tests

@@ -20,6 +20,7 @@ same; the differences: the text is loadtest's synthetic sentences, a prompt is i
 or a token or two under it (cut at a word boundary), and the seeded draws differ, so a seed gives
 other requests than before (same shape, so figures stay comparable).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,7 @@ def matmul_roof(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
 
 def make_requests(tokenizer, n: int, seed: int) -> list[tuple[list[int], int]]:
     """(prompt token ids, output tokens) of loadtest's seeded `uniform` workload."""
-    cfg = workloads.WorkloadConfig("uniform", num_requests=n, seed=seed, prompt_range=(20, 600),
-                                   output_range=(10, 500))
+    cfg = workloads.WorkloadConfig("uniform", num_requests=n, seed=seed, prompt_range=(20, 600), output_range=(10, 500))
     specs = workloads.build(cfg, HFTokenCounter(tokenizer, "model"))
     return [(workloads.token_ids(s, tokenizer), s.max_tokens) for s in specs]
 
@@ -65,7 +65,9 @@ def run_hf_static(model, tokenizer, reqs, batch_size: int = 8) -> tuple[float, i
         mask = (torch.arange(longest)[None, :] >= torch.tensor([longest - len(p) for p, _ in batch])[:, None]).long()
         new = max(n for _, n in batch)  # a static batch runs until its longest request ends
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad
+            )
         useful += sum(n for _, n in batch)
     return time.perf_counter() - t0, useful
 
@@ -93,11 +95,16 @@ def run_engine(llm, reqs) -> tuple[float, int, float]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_engine", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bench_engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--hf-requests", type=int, default=None,
-                    help="transformers runs the first K requests only (default: all); a multiple of 8")
+    ap.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="transformers runs the first K requests only (default: all); a multiple of 8",
+    )
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gib", type=float, default=6.0, help="KV cache budget (GiB)")
@@ -112,7 +119,13 @@ def main(argv=None) -> None:
 
     rows = []
     for dt in args.dtypes:
-        llm = LLM(dtype=dt, kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), max_num_seqs=256, max_num_batched_tokens=2048, num_threads=args.threads)
+        llm = LLM(
+            dtype=dt,
+            kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)),
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            num_threads=args.threads,
+        )
         reqs = make_requests(llm.tokenizer, args.requests, args.seed)
         model = llm.engine.core.executor.runner.model
         hc = model.config
@@ -122,8 +135,14 @@ def main(argv=None) -> None:
         t_eng, useful_eng, waste = run_engine(llm, reqs)
         flops = sum(2 * body * (len(ids) + n) + 2 * head * n for ids, n in reqs)
         roof = matmul_roof(getattr(torch, dt))
-        row = dict(dtype=dt, engine_tok_s=useful_eng / t_eng, kv_waste=waste, roof_share=flops / t_eng / roof,
-                   roof_gflops=roof / 1e9, engine_s=t_eng)
+        row = dict(
+            dtype=dt,
+            engine_tok_s=useful_eng / t_eng,
+            kv_waste=waste,
+            roof_share=flops / t_eng / roof,
+            roof_gflops=roof / 1e9,
+            engine_s=t_eng,
+        )
         model_dir, tokenizer = llm.engine.model_config.model_dir, llm.tokenizer
         llm.shutdown()
         del model, llm
@@ -136,15 +155,19 @@ def main(argv=None) -> None:
         rows.append(row)
         print(row, flush=True)
     hf_n = min(args.hf_requests or args.requests, args.requests)
-    print(f"\nuniform workload: engine {args.requests} requests, transformers the first {hf_n}; prompts 20-600, "
-          f"outputs 10-500 tokens, seed {args.seed}, {args.threads} threads")
+    print(
+        f"\nuniform workload: engine {args.requests} requests, transformers the first {hf_n}; prompts 20-600, "
+        f"outputs 10-500 tokens, seed {args.seed}, {args.threads} threads"
+    )
     print("| dtype | HF static (b=8) tok/s | engine tok/s | ratio | KV waste | matmul roof share |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         hf = f"{r['hf_tok_s']:.1f}" if "hf_tok_s" in r else "-"
         ratio = f"{r['ratio']:.1f}x" if "ratio" in r else "-"
-        print(f"| {r['dtype']} | {hf} | {r['engine_tok_s']:.1f} | {ratio} | {r['kv_waste']:.2%} | "
-              f"{r['roof_share']:.0%} of {r['roof_gflops']:.0f} GFLOP/s |")
+        print(
+            f"| {r['dtype']} | {hf} | {r['engine_tok_s']:.1f} | {ratio} | {r['kv_waste']:.2%} | "
+            f"{r['roof_share']:.0%} of {r['roof_gflops']:.0f} GFLOP/s |"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ graphs) runs the same workload.
 
     python -m bench.bench_gpu --out bench_gpu.json      # needs CUDA and a tokenizer (see bench/random_llama.py)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ def _prompts(b: int, plen: int, tok, seed: int) -> list[list[int]]:
     from loadtest import workloads
     from loadtest.tokens import HFTokenCounter
 
-    cfg = workloads.WorkloadConfig("uniform", num_requests=b, seed=seed, prompt_range=(plen, plen),
-                                   output_range=(1, 1))  # output lengths: the caller's
+    cfg = workloads.WorkloadConfig(
+        "uniform", num_requests=b, seed=seed, prompt_range=(plen, plen), output_range=(1, 1)
+    )  # output lengths: the caller's
     return [workloads.token_ids(s, tok, plen) for s in workloads.build(cfg, HFTokenCounter(tok, "model"))]
 
 
@@ -89,9 +91,16 @@ def bench_model(shape: str, args) -> list[dict]:
             backend, _, mode = config.partition(":")
             os.environ["ORBITAL_ATTENTION_BACKEND"] = backend
             t0 = time.perf_counter()
-            llm = LLM(path, dtype=args.dtype, device="cuda", max_num_seqs=max(args.batches),
-                      max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=mode == "eager",
-                      gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+            llm = LLM(
+                path,
+                dtype=args.dtype,
+                device="cuda",
+                max_num_seqs=max(args.batches),
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enforce_eager=mode == "eager",
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=False,
+            )
             start_s = time.perf_counter() - t0  # load, pool sizing and graph capture
             num_blocks = llm.engine.core.executor.num_blocks
             # Warm-up at the largest batch: kernels compile and the allocator grows to a full
@@ -99,8 +108,17 @@ def bench_model(shape: str, args) -> list[dict]:
             run_engine(llm, _prompts(max(args.batches), args.prompt_len, tok, 99), 8)
             for b in args.batches:
                 r = run_engine(llm, _prompts(b, args.prompt_len, tok, b), args.output_len)
-                rows.append({"model": shape, "params": nparams, "system": f"engine ({config})", "batch": b,
-                             "kv_blocks": num_blocks, "start_s": start_s, **r})
+                rows.append(
+                    {
+                        "model": shape,
+                        "params": nparams,
+                        "system": f"engine ({config})",
+                        "batch": b,
+                        "kv_blocks": num_blocks,
+                        "start_s": start_s,
+                        **r,
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
             del llm
             gc.collect()
@@ -119,23 +137,32 @@ def bench_model(shape: str, args) -> list[dict]:
 def table(rows: list[dict]) -> str:
     lines = ["| model | system | batch | output tok/s | mean TTFT (ms) |", "|---|---|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['model']} ({r['params'] / 1e6:.0f}M) | {r['system']} | {r['batch']} | "
-                     f"{r['tok_s']:,.0f} | {r['ttft_ms']:,.1f} |")
+        lines.append(
+            f"| {r['model']} ({r['params'] / 1e6:.0f}M) | {r['system']} | {r['batch']} | "
+            f"{r['tok_s']:,.0f} | {r['ttft_ms']:,.1f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_gpu", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bench_gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-1b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 32, 256])
-    ap.add_argument("--backends", nargs="+", default=["triton_paged", "triton_paged:eager"],
-                    help="engine configurations: backend[:eager] (eager: no CUDA graphs)")
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        default=["triton_paged", "triton_paged:eager"],
+        help="engine configurations: backend[:eager] (eager: no CUDA graphs)",
+    )
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="engine share (transformers' model stays loaded)")
+    ap.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.5, help="engine share (transformers' model stays loaded)"
+    )
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)

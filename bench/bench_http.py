@@ -12,6 +12,7 @@
 * Router overhead per streamed token: one request alone, streamed over HTTP, vs the offline
   engine decoding one sequence alone (best of 3 each): the difference of per-token times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,9 @@ def _offline_main(conn, kwargs: dict) -> None:
             outs = llm.generate([p for p, _ in arg], params, use_tqdm=False)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
         else:  # "single": (prompt, tokens)
-            out = llm.generate([arg[0]], SamplingParams(temperature=0.0, max_tokens=arg[1], ignore_eos=True),
-                               use_tqdm=False)
+            out = llm.generate(
+                [arg[0]], SamplingParams(temperature=0.0, max_tokens=arg[1], ignore_eos=True), use_tqdm=False
+            )
             n = len(out[0].outputs[0].token_ids)
         conn.send({"tokens": n, "wall_s": time.perf_counter() - t, "cpu_s": time.process_time() - c})
 
@@ -111,8 +113,10 @@ async def http_pass(url: str, work, concurrency: int, stream: bool) -> dict:
 
     queue = list(reversed(work))
     total = 0
-    async with httpx.AsyncClient(base_url=url, timeout=3600,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=3600, limits=httpx.Limits(max_connections=concurrency + 4)
+    ) as client:
+
         async def worker():
             nonlocal total
             while queue:
@@ -145,11 +149,16 @@ def start_http(a) -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=a.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=a.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False
+    )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    cfg = AppConfig(**{k: v for k, v in engine_kwargs(a).items() if k != "max_num_seqs"},
-                    max_num_seqs=max(a.concurrency, 32), num_replicas=a.replicas,
-                    cpus_per_worker=a.num_cpus / a.replicas)
+    cfg = AppConfig(
+        **{k: v for k, v in engine_kwargs(a).items() if k != "max_num_seqs"},
+        max_num_seqs=max(a.concurrency, 32),
+        num_replicas=a.replicas,
+        cpus_per_worker=a.num_cpus / a.replicas,
+    )
     serve.run(build_app(cfg), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -159,8 +168,10 @@ def channel_batching() -> dict:
     from ray import serve
 
     stats = serve.get_app_handle("bench").replica_stats.remote().result()
-    return {"tokens": sum(s.get("generation_tokens", 0) for s in stats),
-            "messages": sum(s.get("channel_messages", 0) for s in stats)}
+    return {
+        "tokens": sum(s.get("generation_tokens", 0) for s in stats),
+        "messages": sum(s.get("channel_messages", 0) for s in stats),
+    }
 
 
 def stop_http() -> None:
@@ -176,8 +187,14 @@ def _sum(passes: list[dict], key: str = "wall_s") -> float:
 
 
 def _kind(cmdline: str) -> str:
-    for key, kind in (("EngineReplica", "engine"), (":Ingress", "ingress"), ("ProxyActor", "proxy"),
-                      ("ServeController", "controller"), ("raylet", "raylet"), ("gcs_server", "gcs")):
+    for key, kind in (
+        ("EngineReplica", "engine"),
+        (":Ingress", "ingress"),
+        ("ProxyActor", "proxy"),
+        ("ServeController", "controller"),
+        ("raylet", "raylet"),
+        ("gcs_server", "gcs"),
+    ):
         if key in cmdline:
             return kind
     return "other"
@@ -237,8 +254,11 @@ def main(argv=None) -> int:
     from engine.model.loader import resolve_model_dir
 
     work = workload(a.num_requests, a.seed, a.max_output, AutoTokenizer.from_pretrained(resolve_model_dir(None)))
-    print(f"workload: mixed, {len(work)} requests, {sum(m for _, m in work)} output tokens, "
-          f"concurrency {a.concurrency}, stream={a.stream}, rounds={a.rounds}", flush=True)
+    print(
+        f"workload: mixed, {len(work)} requests, {sum(m for _, m in work)} output tokens, "
+        f"concurrency {a.concurrency}, stream={a.stream}, rounds={a.rounds}",
+        flush=True,
+    )
     offline = Offline(a)  # its own process, started before Ray: never a Ray descendant
     url = start_http(a)
     try:
@@ -249,12 +269,18 @@ def main(argv=None) -> int:
         channel_before = channel_batching()
         for r in range(a.rounds):
             off_passes.append(offline.run(work))
-            http_passes.append(cpu_timed(lambda: asyncio.run(http_pass(url, work, a.concurrency, a.stream)),
-                                         exclude={offline.proc.pid}))
+            http_passes.append(
+                cpu_timed(
+                    lambda: asyncio.run(http_pass(url, work, a.concurrency, a.stream)), exclude={offline.proc.pid}
+                )
+            )
             o, h = off_passes[-1], http_passes[-1]
-            print(f"round {r}: offline {o['tok_s']:.1f} tok/s ({o['wall_s']:.1f} s, {o['cpu_s']:.1f} CPU-s), "
-                  f"http {h['tok_s']:.1f} tok/s ({h['wall_s']:.1f} s, {h['cpu_s']:.1f} CPU-s of the server), "
-                  f"ratio {h['tok_s'] / o['tok_s']:.1%}; server CPU-s by process {h['cpu_by_process']}", flush=True)
+            print(
+                f"round {r}: offline {o['tok_s']:.1f} tok/s ({o['wall_s']:.1f} s, {o['cpu_s']:.1f} CPU-s), "
+                f"http {h['tok_s']:.1f} tok/s ({h['wall_s']:.1f} s, {h['cpu_s']:.1f} CPU-s of the server), "
+                f"ratio {h['tok_s'] / o['tok_s']:.1%}; server CPU-s by process {h['cpu_by_process']}",
+                flush=True,
+            )
         channel = {k: v - channel_before[k] for k, v in channel_batching().items()}
         prompt = work[0][0]
         off_single = min(offline.single(prompt, a.single_tokens) for _ in range(3))
@@ -268,20 +294,39 @@ def main(argv=None) -> int:
     overhead_ms = (http_single_s - off_single) * 1e3
     print(f"offline: {off_rate:.1f} tok/s   http: {http_rate:.1f} tok/s   ratio http/offline: {ratio:.1%}")
     serving_ms = sum(p["serving_cpu_s"] for p in http_passes) / sum(p["tokens"] for p in http_passes) * 1e3
-    print(f"router overhead: {serving_ms:.2f} CPU-ms per generated token in the proxy, router, controller "
-          f"and Ray processes (everything but the engine replica)")
-    print(f"tokens per CPU-second: offline {_sum(off_passes, 'cpu_s'):.1f}, http server {_sum(http_passes, 'cpu_s'):.1f}"
-          f" -> CPU-efficiency ratio {cpu_ratio:.1%} (what the wall ratio is on an otherwise idle CPU-bound box)")
-    print(f"single stream: {http_single_s * 1e3:.2f} ms/token over HTTP vs {off_single * 1e3:.2f} ms/token "
-          f"offline -> router overhead {overhead_ms:.2f} ms/token")
-    print(f"output channel: {channel['tokens'] / max(channel['messages'], 1):.1f} tokens per message "
-          f"({channel['messages']} messages in the HTTP passes)")
+    print(
+        f"router overhead: {serving_ms:.2f} CPU-ms per generated token in the proxy, router, controller "
+        f"and Ray processes (everything but the engine replica)"
+    )
+    print(
+        f"tokens per CPU-second: offline {_sum(off_passes, 'cpu_s'):.1f}, http server {_sum(http_passes, 'cpu_s'):.1f}"
+        f" -> CPU-efficiency ratio {cpu_ratio:.1%} (what the wall ratio is on an otherwise idle CPU-bound box)"
+    )
+    print(
+        f"single stream: {http_single_s * 1e3:.2f} ms/token over HTTP vs {off_single * 1e3:.2f} ms/token "
+        f"offline -> router overhead {overhead_ms:.2f} ms/token"
+    )
+    print(
+        f"output channel: {channel['tokens'] / max(channel['messages'], 1):.1f} tokens per message "
+        f"({channel['messages']} messages in the HTTP passes)"
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "offline": off_passes, "http": http_passes, "ratio": ratio, "cpu_ratio": cpu_ratio,
-                       "serving_cpu_ms_per_token": serving_ms,
-                       "single_s_per_token": {"offline": off_single, "http": http_single_s},
-                       "overhead_ms_per_token": overhead_ms, "channel": channel}, f, indent=2)
+            json.dump(
+                {
+                    "args": vars(a),
+                    "offline": off_passes,
+                    "http": http_passes,
+                    "ratio": ratio,
+                    "cpu_ratio": cpu_ratio,
+                    "serving_cpu_ms_per_token": serving_ms,
+                    "single_s_per_token": {"offline": off_single, "http": http_single_s},
+                    "overhead_ms_per_token": overhead_ms,
+                    "channel": channel,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

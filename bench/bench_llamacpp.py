@@ -15,6 +15,7 @@ configuration on CPUs (`llama-quantize --allow-requantize in.gguf out.gguf BF16`
 the embedded model's dequantized weights in `--dtype`. Without a llama-server binary the script
 says how to build one and exits 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,13 @@ def measure(specs, base_url: str, level: int | None) -> dict:
     agg = aggregate(out.records, out.duration_s)
     if agg["failed"]:
         raise RuntimeError(f"{agg['failed']} requests failed at {base_url}: {agg['errors_by_kind']}")
-    return {"tok_s": agg["output_tok_s"], "ttft_p50": agg["ttft_ms"]["p50"], "ttft_p99": agg["ttft_ms"]["p99"],
-            "itl_p50": agg["itl_ms"]["p50"], "itl_p99": agg["itl_ms"]["p99"]}
+    return {
+        "tok_s": agg["output_tok_s"],
+        "ttft_p50": agg["ttft_ms"]["p50"],
+        "ttft_p99": agg["ttft_ms"]["p99"],
+        "itl_p50": agg["itl_ms"]["p50"],
+        "itl_p99": agg["itl_ms"]["p99"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,14 +96,22 @@ def main(argv: list[str] | None = None) -> int:
     ctx = a.slots * 2048
     lport, oport = free_port(), free_port()
     servers = {
-        "orbital": (f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {oport} --threads {a.threads} "
-                    f"--dtype {a.dtype}", f"http://127.0.0.1:{oport}"),
-        "llama.cpp": (f"{a.llama_server} -m {gguf} --host 127.0.0.1 --port {lport} -t {a.threads} -tb {a.threads} "
-                      f"-np {a.slots} -c {ctx} --no-webui", f"http://127.0.0.1:{lport}"),
+        "orbital": (
+            f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {oport} --threads {a.threads} "
+            f"--dtype {a.dtype}",
+            f"http://127.0.0.1:{oport}",
+        ),
+        "llama.cpp": (
+            f"{a.llama_server} -m {gguf} --host 127.0.0.1 --port {lport} -t {a.threads} -tb {a.threads} "
+            f"-np {a.slots} -c {ctx} --no-webui",
+            f"http://127.0.0.1:{lport}",
+        ),
     }
     results: dict[tuple, list[dict]] = {}
-    with ServerProcess(*servers["orbital"], log_path="/tmp/bench_llamacpp_orbital.log"), \
-            ServerProcess(*servers["llama.cpp"], log_path="/tmp/bench_llamacpp_llama.log"):
+    with (
+        ServerProcess(*servers["orbital"], log_path="/tmp/bench_llamacpp_orbital.log"),
+        ServerProcess(*servers["llama.cpp"], log_path="/tmp/bench_llamacpp_llama.log"),
+    ):
         for wl in a.workloads.split(","):
             specs = specs_for(wl, a.requests, a.max_output, counter, a.seed)
             for name, (_, url) in servers.items():  # warm-up: first batch after start is slower
@@ -107,18 +121,24 @@ def main(argv: list[str] | None = None) -> int:
                     for name, (_, url) in servers.items():
                         m = measure(specs if LEVELS[lv] != 1 else specs[:4], url, LEVELS[lv])
                         results.setdefault((wl, lv, name), []).append(m)
-                        print(f"round {r} {wl} {lv} {name}: {m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50']:.1f} ms",
-                              flush=True)
-    print(f"\n| workload | load | server | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tok/s ratio |")
+                        print(
+                            f"round {r} {wl} {lv} {name}: {m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50']:.1f} ms",
+                            flush=True,
+                        )
+    print("\n| workload | load | server | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | tok/s ratio |")
     print("|---|---|---|---|---|---|---|")
     for wl in a.workloads.split(","):
         for lv in a.levels.split(","):
-            med = {n: {k: statistics.median(m[k] for m in results[(wl, lv, n)]) for k in results[(wl, lv, n)][0]}
-                   for n in servers}
+            med = {
+                n: {k: statistics.median(m[k] for m in results[(wl, lv, n)]) for k in results[(wl, lv, n)][0]}
+                for n in servers
+            }
             for n, m in med.items():
                 ratio = m["tok_s"] / med["llama.cpp"]["tok_s"]
-                print(f"| {wl} | {lv} | {n} | {m['tok_s']:.1f} | {m['ttft_p50']:.0f} / {m['ttft_p99']:.0f} | "
-                      f"{m['itl_p50']:.1f} / {m['itl_p99']:.1f} | {ratio:.2f}x |")
+                print(
+                    f"| {wl} | {lv} | {n} | {m['tok_s']:.1f} | {m['ttft_p50']:.0f} / {m['ttft_p99']:.0f} | "
+                    f"{m['itl_p50']:.1f} / {m['itl_p99']:.1f} | {ratio:.2f}x |"
+                )
     return 0
 
 

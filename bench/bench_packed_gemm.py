@@ -8,6 +8,7 @@ Prints the median time of each path per row count and the ratios. At rows <= SMA
 
     python -m bench.bench_packed_gemm --dtypes bfloat16 float32 --rows 1 4 16 48 128 256 2048
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,12 +42,16 @@ def main(argv=None) -> None:
 
     cfg = AutoConfig.from_pretrained(resolve_model_dir(None))
     layer_shapes, head_shape = model_shapes(cfg)
-    print("| dtype | rows | F.linear ms | oneDNN packed ms | orbital linear ms | vs F.linear | vs oneDNN |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| dtype | rows | F.linear ms | oneDNN packed ms | orbital linear ms | vs F.linear | vs oneDNN |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for name in args.dtypes:
         dt = getattr(torch, name)
         g = torch.Generator().manual_seed(0)
-        plain = [torch.randn(n, k, generator=g).to(dt) * 0.02 for _ in range(cfg.num_hidden_layers) for k, n in layer_shapes]
+        plain = [
+            torch.randn(n, k, generator=g).to(dt) * 0.02 for _ in range(cfg.num_hidden_layers) for k, n in layer_shapes
+        ]
         plain.append(torch.randn(head_shape[1], head_shape[0], generator=g).to(dt) * 0.02)
         # Without oneDNN bf16 (AVX2-only CPUs) the engine keeps plain weights: F.linear, and the
         # few-row op at few rows.
@@ -68,8 +73,10 @@ def main(argv=None) -> None:
                 print(f"| {name} | {m} | {a * 1e3:.1f} | - | {c * 1e3:.1f} | {a / c:.2f}x | - |", flush=True)
                 continue
             b = statistics.median(b_runs) if b_runs else c
-            print(f"| {name} | {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {c * 1e3:.1f} | {a / c:.2f}x | {b / c:.2f}x |",
-                  flush=True)
+            print(
+                f"| {name} | {m} | {a * 1e3:.1f} | {b * 1e3:.1f} | {c * 1e3:.1f} | {a / c:.2f}x | {b / c:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ the generator the load tester uses), as token ids cut or filled to exactly `--pr
 the random Llama is saved with SmolLM2's tokenizer for this (bench/random_llama.py says where
 it comes from).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,19 @@ def smollm_shaped_llama(path) -> str:
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=2048,
-                          tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        cfg = LlamaConfig(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=12,
+            num_key_value_heads=6,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
         LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
         AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(path)
     return str(path)
@@ -87,6 +98,7 @@ class _Timed:
                     return inner(so)
                 finally:
                     self.model_s += time.perf_counter() - t
+
             runner.execute_model = timed
         orig = ex.execute_model
 
@@ -96,6 +108,7 @@ class _Timed:
                 return orig(so)
             finally:
                 self.exec_s += time.perf_counter() - t
+
         ex.execute_model = outer
         self.sent: list[float] | None = None
         if rank0 is not None:
@@ -107,6 +120,7 @@ class _Timed:
             def stamped(inp):
                 self.sent.append(time.perf_counter())
                 return submit(inp)
+
             ex.remote.submit = stamped
 
             def probe(worker):  # runs in each actor (nested: pickled by value)
@@ -117,8 +131,10 @@ class _Timed:
                 def started(so):
                     starts.append(_time.perf_counter())
                     return run(so)
+
                 started.starts = starts
                 worker.runner.execute_model = started
+
             ray.get([w.__ray_call__.remote(probe) for w in ex.workers])
 
     def _starts(self, clear: bool) -> list[list[float]]:
@@ -132,6 +148,7 @@ class _Timed:
             if clear:
                 starts.clear()
             return out
+
         return ray.get([w.__ray_call__.remote(read) for w in self.ex.workers])
 
     def reset(self):
@@ -163,8 +180,13 @@ def _requests(mc, tokenizer, batch, prompt_len, new_tokens, tag):
 
     ip = InputProcessor(None, mc, True)
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    cfg = workloads.WorkloadConfig("uniform", num_requests=batch, seed=0, prompt_range=(prompt_len, prompt_len),
-                                   output_range=(new_tokens, new_tokens))
+    cfg = workloads.WorkloadConfig(
+        "uniform",
+        num_requests=batch,
+        seed=0,
+        prompt_range=(prompt_len, prompt_len),
+        output_range=(new_tokens, new_tokens),
+    )
     reqs = []
     for i, spec in enumerate(workloads.build(cfg, HFTokenCounter(tokenizer, "model"))):
         reqs += ip.make_requests(f"{tag}-{i}", workloads.token_ids(spec, tokenizer, prompt_len), sp)
@@ -211,15 +233,29 @@ def bench_config(args, tp, threads):
         tok_s = produced / (time.perf_counter() - t)
     finally:
         core.shutdown()
-    return dict(tp=tp, executor="in-process" if tp == 1 else "ray (rank 0 local)", threads=threads, step_ms=step_ms, exec_ms=exec_ms, model_ms=model_ms,
-                overhead_ms=exec_ms - model_ms, lag_ms=lag_ms, empty_ms=empty_ms, tok_s=tok_s)
+    return dict(
+        tp=tp,
+        executor="in-process" if tp == 1 else "ray (rank 0 local)",
+        threads=threads,
+        step_ms=step_ms,
+        exec_ms=exec_ms,
+        model_ms=model_ms,
+        overhead_ms=exec_ms - model_ms,
+        lag_ms=lag_ms,
+        empty_ms=empty_ms,
+        tok_s=tok_s,
+    )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_tp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None,
-                    help="local HF dir or .gguf, 'default' for the embedded SmolLM2 (default: SmolLM2-shaped random Llama)")
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.bench_tp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="local HF dir or .gguf, 'default' for the embedded SmolLM2 (default: SmolLM2-shaped random Llama)",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tp", default="1,2,3", help="tensor-parallel degrees (1 = in-process, no Ray)")
     ap.add_argument("--batch", type=int, default=8)
@@ -247,18 +283,24 @@ def main(argv=None):
     if tmp is not None:
         tmp.cleanup()
 
-    print(f"\nmodel={label} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "
-          f"decode steps={args.steps} new tokens={args.new_tokens} threads/rank={args.threads} cpus={os.cpu_count()}")
+    print(
+        f"\nmodel={label} dtype={args.dtype} batch={args.batch} prompt={args.prompt_len} "
+        f"decode steps={args.steps} new tokens={args.new_tokens} threads/rank={args.threads} cpus={os.cpu_count()}"
+    )
     hdr = f"{'tp':>3} {'executor':<19} {'step ms':>8} {'exec ms':>8} {'model ms':>9} {'overhead ms':>12} {'lag ms':>7} {'empty ms':>9} {'tok/s':>7}"
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
-        print(f"{r['tp']:>3} {r['executor']:<19} {r['step_ms']:8.2f} {r['exec_ms']:8.2f} {r['model_ms']:9.2f} "
-              f"{r['overhead_ms']:12.2f} {'-' if r['lag_ms'] is None else format(r['lag_ms'], '.2f'):>7} "
-              f"{r['empty_ms']:9.3f} {r['tok_s']:7.1f}")
-    print("step = whole engine step; exec = driver time in execute_model; model = rank 0 in its model runner;\n"
-          "overhead = exec - model (submitting to the remote ranks, reaping their finished calls); lag = submit ->\n"
-          "a remote rank starting the step (rank 0 waits for it in its first collective: inside 'model'); empty = "
-          "execute_model with nothing scheduled.")
+        print(
+            f"{r['tp']:>3} {r['executor']:<19} {r['step_ms']:8.2f} {r['exec_ms']:8.2f} {r['model_ms']:9.2f} "
+            f"{r['overhead_ms']:12.2f} {'-' if r['lag_ms'] is None else format(r['lag_ms'], '.2f'):>7} "
+            f"{r['empty_ms']:9.3f} {r['tok_s']:7.1f}"
+        )
+    print(
+        "step = whole engine step; exec = driver time in execute_model; model = rank 0 in its model runner;\n"
+        "overhead = exec - model (submitting to the remote ranks, reaping their finished calls); lag = submit ->\n"
+        "a remote rank starting the step (rank 0 waits for it in its first collective: inside 'model'); empty = "
+        "execute_model with nothing scheduled."
+    )
     return rows
 
 

@@ -1,6 +1,7 @@
 """Random-weight Llama checkpoints for the GPU benchmark and GPU tests, built with transformers and saved as
 real HF directories (the embedded GGUF is too big to carry to a GPU machine). The tokenizer
 comes from ORBITAL_TOKENIZER_DIR (a folder with SmolLM2's tokenizer files) or the embedded model."""
+
 from __future__ import annotations
 
 import os
@@ -9,10 +10,24 @@ import torch
 
 # SmolLM2-135M's shape (the embedded model) and a ~1B Llama (Llama-3.2-1B's layers, SmolLM2's vocab).
 SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    "llama-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -25,14 +40,22 @@ def tokenizer_dir() -> str:
     return str(resolve_model_dir(None))
 
 
-def save_random_llama(path, shape: str, dtype=torch.float32, init_range: float = 0.02, seed: int = 0,
-                      device: str = "cuda"):
+def save_random_llama(
+    path, shape: str, dtype=torch.float32, init_range: float = 0.02, seed: int = 0, device: str = "cuda"
+):
     """Build, save and return (eval model on `device`, tokenizer)."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir())
-    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=4096, rms_norm_eps=1e-5, initializer_range=init_range,
-                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **SHAPES[shape])
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        initializer_range=init_range,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        **SHAPES[shape],
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype).eval()

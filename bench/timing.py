@@ -1,4 +1,5 @@
 """Median wall time of a callable, after one warm-up call (the benchmarks' one timer)."""
+
 from __future__ import annotations
 
 import statistics

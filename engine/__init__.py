@@ -3,6 +3,7 @@
 Exports are lazy: `import engine.engine_args` (the serving layer's config does) stays free of
 torch and transformers.
 """
+
 import importlib as _importlib
 import os as _os
 
@@ -12,10 +13,16 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
-    "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine.engine_args",
-    "SamplingParams": "engine.sampling_params", "RequestOutput": "engine.outputs",
-    "CompletionOutput": "engine.outputs", "TokenLogprob": "engine.outputs", "OrbitalError": "engine.errors",
-    "InvalidRequestError": "engine.errors", "PromptTooLongError": "engine.errors",
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "EngineArgs": "engine.engine_args",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+    "TokenLogprob": "engine.outputs",
+    "OrbitalError": "engine.errors",
+    "InvalidRequestError": "engine.errors",
+    "PromptTooLongError": "engine.errors",
     "EngineDeadError": "engine.errors",
 }
 __all__ = list(_EXPORTS)

@@ -7,6 +7,7 @@ event loop only moves small messages. Two kinds of streams:
     router detokenizes and calls `finish()` when a stop string matches.
 Cancelling a stream (client gone) aborts the request before the next step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -15,10 +16,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from engine.errors import EngineDeadError, InvalidRequestError
-from engine.input_processor import PromptInput
 from engine.engine_args import EngineArgs
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
+from engine.input_processor import PromptInput
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
@@ -46,8 +47,12 @@ class _Stream:
 class AsyncEngine:
     """`executor_factory`: see LLMEngine (the caller picks the executor; Ray's for tp>1)."""
 
-    def __init__(self, args: EngineArgs | None = None, engine: LLMEngine | None = None,
-                 executor_factory: ExecutorFactory = in_process_executor) -> None:
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        engine: LLMEngine | None = None,
+        executor_factory: ExecutorFactory = in_process_executor,
+    ) -> None:
         self.engine = engine or LLMEngine(args or EngineArgs(), executor_factory)
         # Replaced (never mutated) by the step thread after every step: any thread may read it.
         self.snapshot: EngineStats = self.engine.core.snapshot()
@@ -72,8 +77,9 @@ class AsyncEngine:
     def model_config(self) -> ModelConfig:
         return self.engine.model_config
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         rid = request_id or self.engine.next_request_id()
         text, ids = self.engine.inputs.tokenize(prompt)
@@ -84,11 +90,18 @@ class AsyncEngine:
         async for item in self._drain(rid, stream, children):
             yield item
 
-    async def generate_tokens(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              priority: int = 0, arrival_time: float | None = None) -> AsyncIterator[EngineCoreOutput]:
+    async def generate_tokens(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[EngineCoreOutput]:
         self._check_alive()
-        reqs = self.engine.inputs.make_requests(request_id, self.engine.inputs.check_token_ids(prompt_token_ids),
-                                                params, priority, arrival_time)
+        reqs = self.engine.inputs.make_requests(
+            request_id, self.engine.inputs.check_token_ids(prompt_token_ids), params, priority, arrival_time
+        )
         children = [r.request_id for r in reqs]
         stream = self._open(request_id, children)
         with self._lock:

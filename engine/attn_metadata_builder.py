@@ -3,6 +3,7 @@
 Decode rows (one new token) come first, grouped by context length into a few buckets so
 the padded gather stays close to the real context; prefill chunks follow.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,11 @@ def _split_buckets(blocks: list[int]) -> list[tuple[int, int]]:
     starts = ends - counts
     first, last = np.arange(m)[:, None], np.arange(m)[None, :]
     # run[a, c]: one bucket over groups a..c, padded to group c's value.
-    run = np.where(first <= last, (ends[None, :] - starts[:, None]) * vals[None, :].astype(np.float64)
-                   + _BUCKET_OVERHEAD_BLOCKS, np.inf)
+    run = np.where(
+        first <= last,
+        (ends[None, :] - starts[:, None]) * vals[None, :].astype(np.float64) + _BUCKET_OVERHEAD_BLOCKS,
+        np.inf,
+    )
     best = np.full(m + 1, np.inf)  # best[a]: cost of groups before a in k buckets
     best[0] = 0.0
     bests, prevs = [best], []
@@ -60,8 +64,13 @@ def _split_buckets(blocks: list[int]) -> list[tuple[int, int]]:
     return runs[::-1]
 
 
-def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_size: int, device: torch.device | str,
-                     decode_buckets: bool = True) -> StepBatch:
+def build_step_batch(
+    states: list[RunnerRequestState],
+    counts: list[int],
+    block_size: int,
+    device: torch.device | str,
+    decode_buckets: bool = True,
+) -> StepBatch:
     bs = block_size
     decode = sorted((i for i, n in enumerate(counts) if n == 1), key=lambda i: states[i].num_computed_tokens)
     prefill = [i for i, n in enumerate(counts) if n > 1]
@@ -76,15 +85,20 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
         pos.extend(range(nc, nc + n))
         slots.extend(st.block_ids[p // bs] * bs + p % bs for p in range(nc, nc + n))
         last_rows.append(len(ids) - 1)
-    meta = AttentionMetadata(block_size=bs, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                             num_decode_tokens=len(decode))
+    meta = AttentionMetadata(
+        block_size=bs, slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), num_decode_tokens=len(decode)
+    )
     if decode:
         nblocks = [(states[i].num_computed_tokens + bs) // bs for i in decode]
         maxb = nblocks[-1]
         meta.decode_block_table = torch.tensor(
             [states[i].block_ids[:maxb] + [0] * (maxb - min(maxb, len(states[i].block_ids))) for i in decode],
-            dtype=torch.int32, device=device)
-        meta.decode_seq_lens = torch.tensor([states[i].num_computed_tokens + 1 for i in decode], dtype=torch.int32, device=device)
+            dtype=torch.int32,
+            device=device,
+        )
+        meta.decode_seq_lens = torch.tensor(
+            [states[i].num_computed_tokens + 1 for i in decode], dtype=torch.int32, device=device
+        )
         for a, b in _split_buckets(nblocks) if decode_buckets else []:
             maxb = nblocks[b - 1]
             flat = []
@@ -93,7 +107,9 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
                 flat.extend(blk + [0] * (maxb - len(blk)))
             seq = torch.tensor([states[i].num_computed_tokens + 1 for i in decode[a:b]], device=device)
             mask = torch.arange(maxb * bs, device=device)[None, :] < seq[:, None]
-            meta.decode_buckets.append(DecodeBucket(a, b, torch.tensor(flat, dtype=torch.long, device=device), maxb, mask[:, None, :]))
+            meta.decode_buckets.append(
+                DecodeBucket(a, b, torch.tensor(flat, dtype=torch.long, device=device), maxb, mask[:, None, :])
+            )
     tables, info = [], []
     for k, i in enumerate(prefill, start=len(decode)):
         st, n = states[i], counts[i]
@@ -103,16 +119,24 @@ def build_step_batch(states: list[RunnerRequestState], counts: list[int], block_
         if nc > 0:
             q = torch.arange(n, device=device)[:, None] + nc
             mask = torch.arange(nc + n, device=device)[None, :] <= q
-        meta.prefills.append(PrefillChunk(starts[k], n, nc, torch.tensor(blocks, dtype=torch.long, device=device), mask))
+        meta.prefills.append(
+            PrefillChunk(starts[k], n, nc, torch.tensor(blocks, dtype=torch.long, device=device), mask)
+        )
         tables.append(blocks)
         info.append([starts[k], n, nc])
     if prefill:
         maxb = max(len(t) for t in tables)
-        meta.prefill_block_table = torch.tensor([t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32, device=device)
+        meta.prefill_block_table = torch.tensor(
+            [t + [0] * (maxb - len(t)) for t in tables], dtype=torch.int32, device=device
+        )
         meta.prefill_info = torch.tensor(info, dtype=torch.int32, device=device)
         meta.prefill_max_new = max(n for _, n, _ in info)
     return StepBatch(
         request_ids=[states[i].request_id for i in order],
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.tensor(pos, dtype=torch.long, device=device),
-        meta=meta, last_rows=last_rows, starts=starts, counts=[counts[i] for i in order])
+        meta=meta,
+        last_rows=last_rows,
+        starts=starts,
+        counts=[counts[i] for i in order],
+    )

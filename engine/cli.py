@@ -1,6 +1,7 @@
 """`python -m engine` / `orbital-generate`: run prompts through the offline engine from a shell.
 
 `python -m workers` is the same command built with the Ray executor factory (`--tp` > 1)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--max-num-seqs", type=int, default=128)
@@ -39,8 +44,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None, executor_factory: ExecutorFactory | None = None,
-         prog: str = "python -m engine") -> int:
+def main(
+    argv: Sequence[str] | None = None, executor_factory: ExecutorFactory | None = None, prog: str = "python -m engine"
+) -> int:
     """`executor_factory`: who builds this engine picks its executor (ARCHITECTURE.md, rule 5)."""
     args = parse_args(argv, prog)
     from engine import LLM, OrbitalError, SamplingParams
@@ -48,13 +54,29 @@ def main(argv: Sequence[str] | None = None, executor_factory: ExecutorFactory | 
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     try:
-        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, max_tokens=args.max_tokens, stop=args.stop)
-        llm = LLM(args.model, executor_factory=executor_factory or in_process_executor, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching, num_threads=args.threads,
-                  enforce_eager=args.enforce_eager)
+        params = SamplingParams(
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+        )
+        llm = LLM(
+            args.model,
+            executor_factory=executor_factory or in_process_executor,
+            dtype=args.dtype,
+            device=args.device,
+            tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            num_threads=args.threads,
+            enforce_eager=args.enforce_eager,
+        )
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
@@ -65,8 +87,17 @@ def main(argv: Sequence[str] | None = None, executor_factory: ExecutorFactory | 
     for prompt, out in zip(prompts, outs):
         for c in out.outputs:
             if args.json:
-                print(json.dumps({"prompt": prompt, "index": c.index, "text": c.text,
-                                  "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)}))
+                print(
+                    json.dumps(
+                        {
+                            "prompt": prompt,
+                            "index": c.index,
+                            "text": c.text,
+                            "finish_reason": c.finish_reason,
+                            "num_tokens": len(c.token_ids),
+                        }
+                    )
+                )
             else:
                 print(f"--- {prompt!r} [{c.index}] ({c.finish_reason}, {len(c.token_ids)} tokens)\n{prompt}{c.text}")
     return 0

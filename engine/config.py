@@ -1,5 +1,6 @@
 """Engine configuration: frozen dataclasses checked at construction. Defaults shared with the
 user-facing settings come from EngineArgs (one place for each default)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

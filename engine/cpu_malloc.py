@@ -7,6 +7,7 @@ measured on a bf16 prefill step, SiLU 3.5x, the RMSNorm square 10x and copies 4x
 reused memory, 20% of the whole step. Raising the mmap threshold to glibc's maximum and not
 trimming keeps freed step memory in the heap for the next step (the peak stays one step's).
 """
+
 from __future__ import annotations
 
 import ctypes

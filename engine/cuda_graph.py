@@ -6,6 +6,7 @@ start-up, after the KV pool is allocated (its addresses are baked into the graph
 whose rows are all single tokens and fit a bucket fills the static inputs (padding rows up to
 the bucket) and replays; any other step runs eagerly.
 """
+
 from __future__ import annotations
 
 import bisect

@@ -5,6 +5,7 @@ One new token per request. Rows past the real batch (up to the graph's bucket) a
 they write their K/V into a spare block no request owns and attend to that block alone, so a
 padded graph never touches a live sequence's cache.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,9 @@ from engine.runner_state import RunnerRequestState
 
 
 class DecodeInputs:
-    def __init__(self, max_rows: int, max_blocks: int, block_size: int, sink_block: int, device: torch.device | str) -> None:
+    def __init__(
+        self, max_rows: int, max_blocks: int, block_size: int, sink_block: int, device: torch.device | str
+    ) -> None:
         self.device = torch.device(device)
         self.bs, self.sink_block = block_size, sink_block
         pin = self.device.type == "cuda"
@@ -30,15 +33,21 @@ class DecodeInputs:
         self.h_table = host(max_rows, max_blocks, dtype=torch.int32)
         self._np = [t.numpy() for t in (self.h_ids, self.h_pos, self.h_slots, self.h_info, self.h_table)]
         self.ids, self.pos, self.slots, self.info, self.table = (
-            t.to(self.device) for t in (self.h_ids, self.h_pos, self.h_slots, self.h_info, self.h_table))
+            t.to(self.device) for t in (self.h_ids, self.h_pos, self.h_slots, self.h_info, self.h_table)
+        )
         # Set after each copy: the next fill waits on it before rewriting the pinned memory.
         self._copied = torch.cuda.Event() if pin else None
 
     def meta(self, rows: int) -> AttentionMetadata:
         """Metadata over the first `rows` device rows (views: a graph captured with it replays
         whatever the buffers hold)."""
-        return AttentionMetadata(block_size=self.bs, slot_mapping=self.slots[:rows], num_decode_tokens=rows,
-                                 decode_block_table=self.table[:rows], decode_info=self.info[:rows])
+        return AttentionMetadata(
+            block_size=self.bs,
+            slot_mapping=self.slots[:rows],
+            num_decode_tokens=rows,
+            decode_block_table=self.table[:rows],
+            decode_info=self.info[:rows],
+        )
 
     def fill(self, states: list[RunnerRequestState], rows: int) -> None:
         """Rows 0..len(states)-1 from the requests (each computes its token at num_computed_tokens),
@@ -59,8 +68,13 @@ class DecodeInputs:
         ids[n:rows], pos[n:rows], info[n:rows, 2] = 0, 0, 0
         slots[n:rows] = self.sink_block * bs
         table[n:rows, 0] = self.sink_block
-        for h, d in ((self.h_ids, self.ids), (self.h_pos, self.pos), (self.h_slots, self.slots),
-                     (self.h_info, self.info), (self.h_table, self.table)):
+        for h, d in (
+            (self.h_ids, self.ids),
+            (self.h_pos, self.pos),
+            (self.h_slots, self.slots),
+            (self.h_info, self.info),
+            (self.h_table, self.table),
+        ):
             d[:rows].copy_(h[:rows], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -9,6 +9,7 @@ work with `bound_tp_group`.
 Groups are constructed directly (not registered as torch's default/world group), so the
 collectives call the group object itself where torch's helpers would need the registry.
 """
+
 from __future__ import annotations
 
 import threading
@@ -76,4 +77,3 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
         return torch.cat(parts, dim=-1)
     tp.group.gather([], [x], opts).wait()
     return None
-

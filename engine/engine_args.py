@@ -3,6 +3,7 @@
 A light module (dataclasses only, no torch) so the serving layer's config can take its
 defaults from here instead of repeating them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Typed errors the engine raises; the serving layer maps them to HTTP status codes."""
+
 from __future__ import annotations
 
 
@@ -20,4 +21,3 @@ class PromptTooLongError(InvalidRequestError):
 
 class EngineDeadError(OrbitalError, RuntimeError):
     """The engine (or one of its workers) died; requests in flight are failed. HTTP 503."""
-

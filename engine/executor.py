@@ -4,6 +4,7 @@ The engine never chooses a multi-process executor itself: whoever builds the eng
 `ExecutorFactory` (the Ray one for tp>1 is `workers.make_executor`), as Ray Serve LLM injects
 its engine class. The default factory runs tp=1 in this process and refuses tp>1.
 """
+
 from __future__ import annotations
 
 import abc
@@ -36,8 +37,13 @@ class Executor(abc.ABC):
 class InProcessExecutor(Executor):
     """tp=1: the model runner lives in this process; no Ray hop per step."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: str | torch.device = "cpu",
-                 cuda_graph_max_batch: int = 0) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: str | torch.device = "cpu",
+        cuda_graph_max_batch: int = 0,
+    ) -> None:
         from engine.model_runner import ModelRunner
 
         self.runner = ModelRunner(model_config, cache_config, device, cuda_graph_max_batch)
@@ -57,11 +63,17 @@ class InProcessExecutor(Executor):
 ExecutorFactory = Callable[[ModelConfig, CacheConfig, ParallelConfig, "str | torch.device", int], Executor]
 
 
-def in_process_executor(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
-                        device: str | torch.device = "cpu", cuda_graph_max_batch: int = 0) -> Executor:
+def in_process_executor(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    parallel: ParallelConfig,
+    device: str | torch.device = "cpu",
+    cuda_graph_max_batch: int = 0,
+) -> Executor:
     """The default ExecutorFactory: tp=1 only."""
     if parallel.tensor_parallel_size != 1:
         raise InvalidRequestError(
             f"tensor_parallel_size={parallel.tensor_parallel_size} needs an executor that spans processes: "
-            "build the engine with workers.make_executor (or use workers.LLM offline)")
+            "build the engine with workers.make_executor (or use workers.LLM offline)"
+        )
     return InProcessExecutor(model_config, cache_config, device, cuda_graph_max_batch)

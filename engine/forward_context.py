@@ -1,4 +1,5 @@
 """Per-batch metadata travels in one context object, not through every forward signature."""
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@ context, other processes: read from the driver after the allocator's cache is re
 minus the transient peak of a profiled dummy step at the scheduler's token budget, which every
 later step may need again on top of the pool.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -31,5 +32,6 @@ def kv_budget_from_free_memory(runner: ModelRunner, utilization: float, num_toke
         raise RuntimeError(
             f"no GPU memory left for the KV cache: {utilization:.0%} of {total / 2**30:.1f} GiB minus "
             f"{(total - free) / 2**30:.2f} GiB in use and a {step_peak / 2**30:.2f} GiB step peak; "
-            "raise gpu_memory_utilization or lower max_num_batched_tokens")
+            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
     return budget

@@ -1,4 +1,5 @@
 """Validate prompts and turn one user request into engine `Request`s (n>1 -> n sequences)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +16,29 @@ if TYPE_CHECKING:
 PromptInput = str | dict | Sequence[int]
 
 # apply_chat_template's parameters and the variables it sets itself: never from a client.
-_RESERVED_TEMPLATE_ARGS = frozenset({
-    "chat_template", "tokenize", "tools", "documents", "conversation", "messages", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
-    "raise_exception", "strftime_now",
-})
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {
+        "chat_template",
+        "tokenize",
+        "tools",
+        "documents",
+        "conversation",
+        "messages",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 def _template_variables(template: str | dict | None) -> frozenset[str]:
@@ -58,7 +76,9 @@ class InputProcessor:
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)):
             return None, self.check_token_ids(prompt)
-        raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt")
+        raise InvalidRequestError(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", param="prompt"
+        )
 
     def check_token_ids(self, ids: Any) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
@@ -77,7 +97,9 @@ class InputProcessor:
                 raise InvalidRequestError("each message needs 'role' and 'content'", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use completions", param="messages")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def template_variables(self, requested: dict[str, Any]) -> dict[str, Any]:
         """The client's `chat_template_kwargs`, reduced to variables this model's chat template
@@ -86,8 +108,9 @@ class InputProcessor:
         features by the back door. Variables the template never reads are dropped."""
         bad = sorted(k for k in requested if k in _RESERVED_TEMPLATE_ARGS)
         if bad:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(bad)}",
-                                      param="chat_template_kwargs")
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs"
+            )
         if self._template_vars is None:
             self._template_vars = _template_variables(getattr(self.tokenizer, "chat_template", None))
         return {k: v for k, v in requested.items() if k in self._template_vars}
@@ -102,28 +125,51 @@ class InputProcessor:
         if p >= limit:
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens; the prompt has {p} tokens "
-                "(at least one token must be left for the completion).", param="prompt")
+                "(at least one token must be left for the completion).",
+                param="prompt",
+            )
         max_tokens = params.max_tokens if params.max_tokens is not None else limit - p
         if p + max_tokens > limit:
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{p + max_tokens} tokens ({p} in the prompt, {max_tokens} for the completion). "
-                "Reduce the prompt or max_tokens.", param="max_tokens")
+                "Reduce the prompt or max_tokens.",
+                param="max_tokens",
+            )
         return max_tokens
 
-    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                      priority: int = 0, arrival_time: float | None = None) -> list[Request]:
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[Request]:
         max_tokens = self.check_lengths(prompt_ids, params)
         eos = self.mc.eos_token_ids
         reqs = []
         for i, rid in enumerate(child_request_ids(request_id, params.n)):
-            sp = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i)
+            sp = (
+                params
+                if params.n == 1
+                else dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            )
             if len(eos) > 1 and not sp.ignore_eos:  # extra EOS ids (e.g. Llama 3) stop like EOS
                 sp = dataclasses.replace(sp, stop_token_ids=list(dict.fromkeys(sp.stop_token_ids + list(eos[1:]))))
             # Siblings share prompt blocks through the hash map even with prefix caching off.
             salt = None if self.prefix_caching or params.n == 1 else f"n:{request_id}"
             kw = {} if arrival_time is None else {"arrival_time": arrival_time}
-            reqs.append(Request(rid, list(prompt_ids), sp, eos_token_id=eos[0] if eos else None,
-                                priority=priority, cache_salt=salt, max_tokens=max_tokens, **kw))
+            reqs.append(
+                Request(
+                    rid,
+                    list(prompt_ids),
+                    sp,
+                    eos_token_id=eos[0] if eos else None,
+                    priority=priority,
+                    cache_salt=salt,
+                    max_tokens=max_tokens,
+                    **kw,
+                )
+            )
         return reqs

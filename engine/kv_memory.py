@@ -7,6 +7,7 @@ The mapping is touched (zeroed) once here, as torch.zeros would: left lazy, its 
 happened inside prefill steps as page faults (with huge-page compaction), which made the cache
 writes of a 2048-token step ~30x slower. Elsewhere (CUDA, or no madvise) it is plain torch.zeros.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,9 @@ import mmap
 import torch
 
 
-def allocate_kv_caches(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
-                       device: torch.device) -> tuple[list[torch.Tensor], object | None]:
+def allocate_kv_caches(
+    num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[list[torch.Tensor], object | None]:
     """One zeroed tensor of `shape` per layer, and the buffer that owns their memory (keep it)."""
     if device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)], None

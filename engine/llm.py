@@ -1,4 +1,5 @@
 """The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages, params)`."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
@@ -20,17 +21,22 @@ class LLM:
     """Batch generation with continuous batching. `model=None` is the embedded SmolLM2-135M-Instruct.
     tensor_parallel_size > 1 needs `workers.LLM` (or executor_factory=workers.make_executor)."""
 
-    def __init__(self, model: str | None = None, executor_factory: ExecutorFactory = in_process_executor,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, executor_factory: ExecutorFactory = in_process_executor, **kwargs: Any
+    ) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs), executor_factory)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -47,8 +53,13 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:

@@ -3,6 +3,7 @@
 Glues the input processor (tokenize, validate, expand n), the engine core (scheduler +
 executor, token ids) and the output processor (detokenize, stop strings, aggregate n).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,8 @@ import torch
 from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.cuda_graph import MAX_GRAPH_BATCH
-from engine.errors import InvalidRequestError
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
+from engine.errors import InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
 from engine.input_processor import InputProcessor, PromptInput
 from engine.model_config import ModelConfig, build_model_config
@@ -32,16 +33,28 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.args = args
         self.model_config: ModelConfig = build_model_config(
-            args.model, args.dtype, torch.device(args.device), args.max_model_len, args.served_model_name)
+            args.model, args.dtype, torch.device(args.device), args.max_model_len, args.served_model_name
+        )
         on_gpu = torch.device(args.device).type == "cuda" and args.kv_cache_memory_bytes is None
-        cache = CacheConfig(args.block_size, args.enable_prefix_caching, args.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES,
-                            args.num_blocks, args.gpu_memory_utilization if on_gpu else None,
-                            args.max_num_batched_tokens)
-        sched = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len,
-                                args.scheduling_policy)
+        cache = CacheConfig(
+            args.block_size,
+            args.enable_prefix_caching,
+            args.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES,
+            args.num_blocks,
+            args.gpu_memory_utilization if on_gpu else None,
+            args.max_num_batched_tokens,
+        )
+        sched = SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len, args.scheduling_policy
+        )
         graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
-        executor = executor_factory(self.model_config, cache, ParallelConfig(args.tensor_parallel_size), args.device,
-                                 min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0)
+        executor = executor_factory(
+            self.model_config,
+            cache,
+            ParallelConfig(args.tensor_parallel_size),
+            args.device,
+            min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0,
+        )
         self.core = EngineCore(sched, cache, executor)
         from transformers import AutoTokenizer
 
@@ -54,8 +67,14 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def add_request(self, request_id: str | None, prompt: PromptInput, params: SamplingParams,
-                    priority: int = 0, prompt_text: str | None = None) -> str:
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int = 0,
+        prompt_text: str | None = None,
+    ) -> str:
         request_id = request_id or self.next_request_id()
         if request_id in self._children:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -64,8 +83,14 @@ class LLMEngine:
         self.add_prepared(request_id, prompt_text or text, ids, params, reqs)
         return request_id
 
-    def add_prepared(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
-                     params: SamplingParams, reqs: list[Request]) -> None:
+    def add_prepared(
+        self,
+        request_id: str,
+        prompt_text: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        reqs: list[Request],
+    ) -> None:
         """Adds a request already validated and expanded by `inputs.make_requests`."""
         child_ids = [r.request_id for r in reqs]
         self.outputs.add_request(request_id, prompt_text, prompt_ids, params, child_ids)

@@ -1,4 +1,5 @@
 """What the engine needs to know about a model, resolved once from its HF config."""
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,14 @@ from engine.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -34,9 +41,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if _DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
         # Measured on an AVX2 EPYC: batched steps ~3x slower than float32 (PyTorch emulates bf16
         # matmuls there); one stream is faster (half the weight bytes through the few-row linear).
-        log.warning("dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 matmuls are emulated, so "
-                    "batched throughput is about 3x lower than float32 (dtype=auto picks float32 here); "
-                    "single-stream latency is lower, since the weights are half the bytes")
+        log.warning(
+            "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 matmuls are emulated, so "
+            "batched throughput is about 3x lower than float32 (dtype=auto picks float32 here); "
+            "single-stream latency is lower, since the weights are half the bytes"
+        )
     return _DTYPES[dtype]
 
 
@@ -68,8 +77,13 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
-def build_model_config(model: str | None, dtype: str | torch.dtype, device: torch.device,
-                       max_model_len: int | None = None, served_name: str | None = None) -> ModelConfig:
+def build_model_config(
+    model: str | None,
+    dtype: str | torch.dtype,
+    device: torch.device,
+    max_model_len: int | None = None,
+    served_name: str | None = None,
+) -> ModelConfig:
     from transformers import AutoConfig
 
     from engine.model.loader import resolve_model_dir

@@ -3,6 +3,7 @@
 Holds the model shard, one KV tensor per layer (views bound to the attention layers) and its
 own per-request state. Rank 0 samples and returns token ids; other ranks return None.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,9 @@ import torch
 from engine.attn_metadata_builder import StepBatch, build_step_batch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group
 from engine.forward_context import forward_context
-from engine.cpu_malloc import keep_step_memory
 from engine.kv_memory import allocate_kv_caches
 from engine.layers.sampler import Sampler, compute_prompt_logprobs
 from engine.model.loader import load_model
@@ -30,8 +31,13 @@ def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generat
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device | str = "cpu",
-                 cuda_graph_max_batch: int = 0) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device: torch.device | str = "cpu",
+        cuda_graph_max_batch: int = 0,
+    ) -> None:
         self.mc, self.cc = model_config, cache_config
         # > 0: decode steps of up to this many rows replay CUDA graphs (CUDA, tp=1, paged kernel).
         self.cuda_graph_max_batch = cuda_graph_max_batch
@@ -80,7 +86,9 @@ class ModelRunner:
         states, next_block = [], 0
         for i, n in enumerate(lens):
             nb = -(-n // bs)
-            states.append(RunnerRequestState(f"profile-{i}", [0] * n, [], None, list(range(next_block, next_block + nb)), 0))
+            states.append(
+                RunnerRequestState(f"profile-{i}", [0] * n, [], None, list(range(next_block, next_block + nb)), 0)
+            )
             next_block += nb
         self.init_kv_cache(next_block)
         batch = build_step_batch(states, lens, bs, self.device, decode_buckets=self.uses_decode_buckets)
@@ -95,8 +103,13 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.
-        shape = (2, self.num_kv_heads_local, num_blocks + (1 if self.cuda_graph_max_batch else 0),
-                 self.cc.block_size, self.mc.head_dim)
+        shape = (
+            2,
+            self.num_kv_heads_local,
+            num_blocks + (1 if self.cuda_graph_max_batch else 0),
+            self.cc.block_size,
+            self.mc.head_dim,
+        )
         self.kv_caches, self._kv_buffer = allocate_kv_caches(self.mc.num_layers, shape, self.mc.dtype, self.device)
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
@@ -130,14 +143,18 @@ class ModelRunner:
             rows = list(range(len(rids)))
             batch = StepBatch(rids, self.graphs.inputs.ids[: len(rids)], None, None, rows, rows, counts)
         else:
-            batch = build_step_batch(states, counts, self.cc.block_size, self.device,
-                                     decode_buckets=self.uses_decode_buckets)
+            batch = build_step_batch(
+                states, counts, self.cc.block_size, self.device, decode_buckets=self.uses_decode_buckets
+            )
             with forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
         by_id = {r: self.states[r] for r in batch.request_ids}
         # Rows that produce a token: the last scheduled token reaches the end of the sequence.
-        sample_idx = [k for k, r in enumerate(batch.request_ids)
-                      if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens]
+        sample_idx = [
+            k
+            for k, r in enumerate(batch.request_ids)
+            if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens
+        ]
         prompt_lp = self._prompt_logprob_rows(batch, by_id)
         rows = [batch.last_rows[k] for k in sample_idx] + [row for _, rs, _, _ in prompt_lp for row in rs]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
@@ -168,11 +185,20 @@ class ModelRunner:
         ns = len(sample_idx)
         if ns:
             sts = [by_id[batch.request_ids[k]] for k in sample_idx]
-            gens = [None if s.sampling_params.seed is None
-                    else _step_generator(s.sampling_params.seed, len(s.output_token_ids), logits.device) for s in sts]
+            gens = [
+                None
+                if s.sampling_params.seed is None
+                else _step_generator(s.sampling_params.seed, len(s.output_token_ids), logits.device)
+                for s in sts
+            ]
             md = SamplingMetadata.build(
-                [s.sampling_params for s in sts], [s.prompt_token_ids for s in sts], [s.output_token_ids for s in sts],
-                gens, [self._eos] * len(sts), self.device)
+                [s.sampling_params for s in sts],
+                [s.prompt_token_ids for s in sts],
+                [s.output_token_ids for s in sts],
+                gens,
+                [self._eos] * len(sts),
+                self.device,
+            )
             res = self.sampler(logits[:ns], md)
             tokens = res.sampled_token_ids.tolist()
             for j, s in enumerate(sts):

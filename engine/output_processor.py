@@ -8,6 +8,7 @@ hits one is returned in `stop_ids` so the caller finishes it in the scheduler (f
 Token ids are kept exactly as generated, also past a stop string (as vLLM does); only the text
 is truncated at the stop string.
 """
+
 from __future__ import annotations
 
 import time
@@ -70,24 +71,28 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str] | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         child_ids = list(child_ids) if child_ids else [request_id]
         if request_id in self._requests or any(c in self._child_to_parent for c in child_ids):
             raise ValueError(f"request id {request_id!r} (or one of its children) already exists")
         children = [
             _ChildState(
                 index=i,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
-                                                   params.skip_special_tokens),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
                 stop_checker=StopChecker(params.stop, params.include_stop_str_in_output),
                 logprobs=[] if params.logprobs is not None else None,
             )
             for i in range(len(child_ids))
         ]
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, children,
-                              child_ids)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), params, children, child_ids)
         state.metrics["arrival_time"] = time.monotonic() if arrival_time is None else arrival_time
         self._requests[request_id] = state
         for cid, child in zip(child_ids, children):
@@ -105,9 +110,7 @@ class OutputProcessor:
             self._child_to_parent.pop(cid, None)
         return list(state.child_ids)
 
-    def process_outputs(
-        self, core_outputs: list[EngineCoreOutput]
-    ) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         stop_ids: list[str] = []
@@ -134,8 +137,7 @@ class OutputProcessor:
                 self.abort_request(state.request_id)  # drop state; nothing to abort in the core
         return results, stop_ids
 
-    def _process_one(self, state: _RequestState, child: _ChildState, out: EngineCoreOutput,
-                     now: float) -> bool:
+    def _process_one(self, state: _RequestState, child: _ChildState, out: EngineCoreOutput, now: float) -> bool:
         """Update one child; True when a stop string finished it."""
         params = state.params
         m = state.metrics
@@ -185,18 +187,29 @@ class OutputProcessor:
             end = len(c.text)
             if c.finish_reason is None and c.stop_checker:
                 end = max(c.num_streamed_chars, end - c.stop_checker.hold_back(c.text))
-            delta = c.text[c.num_streamed_chars:end]
+            delta = c.text[c.num_streamed_chars : end]
             c.num_streamed_chars = end
-            outputs.append(CompletionOutput(
-                index=c.index, text=c.text[:end], token_ids=list(c.token_ids),
-                logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                text_delta=delta, token_ids_delta=c.token_ids_delta,
-                logprobs_delta=c.logprobs_delta,
-            ))
+            outputs.append(
+                CompletionOutput(
+                    index=c.index,
+                    text=c.text[:end],
+                    token_ids=list(c.token_ids),
+                    logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    text_delta=delta,
+                    token_ids_delta=c.token_ids_delta,
+                    logprobs_delta=c.logprobs_delta,
+                )
+            )
         out = RequestOutput(
-            request_id=state.request_id, prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids, outputs=outputs, finished=state.finished,
-            prompt_logprobs=state.prompt_logprobs, num_cached_tokens=state.num_cached_tokens,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
             metrics=dict(state.metrics),
         )
         if state.error is not None:

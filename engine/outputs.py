@@ -1,4 +1,5 @@
 """What the engine hands back: token-level core outputs and user-facing request outputs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: token ids and progress counters, no phase flags."""
+
 from __future__ import annotations
 
 import enum

@@ -1,4 +1,5 @@
 """The model runner's own per-request state, kept across steps so only deltas travel."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,8 +38,13 @@ class RunnerStates(dict):
             self.pop(rid, None)
         for new in so.new_requests:
             self[new.request_id] = RunnerRequestState(
-                new.request_id, list(new.prompt_token_ids), list(new.output_token_ids),
-                new.sampling_params, list(new.block_ids), new.num_computed_tokens)
+                new.request_id,
+                list(new.prompt_token_ids),
+                list(new.output_token_ids),
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
         for cached in so.cached_requests:
             st = self.get(cached.request_id)
             if st is None:

@@ -4,6 +4,7 @@ Everything the sampler needs travels in this one object (ARCHITECTURE.md, rule 7
 features need (penalties, top-k/p, min-p, min_tokens blocking) are built only when a request in
 the batch uses them, so the common all-greedy batch is just an argmax.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -76,20 +77,27 @@ class SamplingMetadata:
                 greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
             # Filters only matter for random rows; greedy rows get neutral values.
             if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
-                top_k = torch.tensor([0 if g else p.top_k for p, g in zip(params, greedy)],
-                                     dtype=torch.int64, device=device)
+                top_k = torch.tensor(
+                    [0 if g else p.top_k for p, g in zip(params, greedy)], dtype=torch.int64, device=device
+                )
             if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
                 top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy)])
             if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
                 min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy)])
 
         md = cls(
-            batch_size=b, all_greedy=all_greedy, all_random=all_random, greedy_mask=greedy_mask,
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, generators=generators,
+            batch_size=b,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=greedy_mask,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=generators,
         )
 
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-               for p in params):
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
             md.repetition_penalty = f32([p.repetition_penalty for p in params])
             md.presence_penalty = f32([p.presence_penalty for p in params])
             md.frequency_penalty = f32([p.frequency_penalty for p in params])
@@ -109,8 +117,10 @@ class SamplingMetadata:
             rows += [i] * len(blocked)
             cols += sorted(blocked)
         if rows:
-            md.min_tokens_block = (torch.tensor(rows, dtype=torch.int64, device=device),
-                                   torch.tensor(cols, dtype=torch.int64, device=device))
+            md.min_tokens_block = (
+                torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(cols, dtype=torch.int64, device=device),
+            )
 
         md.num_logprobs = [p.logprobs for p in params]
         requested = [k for k in md.num_logprobs if k is not None]

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, validated at construction."""
+
 from __future__ import annotations
 
 import math

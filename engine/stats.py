@@ -3,6 +3,7 @@
 The step thread publishes a fresh snapshot after every step; metrics, autoscaling and routing
 stats read the latest one from any thread, never the scheduler's live structures.
 """
+
 from __future__ import annotations
 
 import dataclasses

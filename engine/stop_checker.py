@@ -3,6 +3,7 @@
 Only the tail that can contain a new match is searched each step (the new text plus
 max stop length - 1 characters before it), so a long output costs O(new text) per step.
 """
+
 from __future__ import annotations
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Poisson:
     """Exponential gaps at ``rate`` requests/s (``inf``: everything at t=0). Seeded."""
+
     rate: float
     seed: int = 0
 
@@ -36,6 +37,7 @@ class Poisson:
 @dataclass(frozen=True)
 class Constant:
     """One request every 1/rate seconds."""
+
     rate: float
 
     def times(self, n: int) -> list[float]:
@@ -50,6 +52,7 @@ class Constant:
 @dataclass(frozen=True)
 class Burst:
     """``size`` requests at once every ``interval`` seconds."""
+
     size: int
     interval: float
 
@@ -65,6 +68,7 @@ class Burst:
 @dataclass(frozen=True)
 class ClosedLoop:
     """``concurrency`` clients, each sending its next request when the previous one ends."""
+
     concurrency: int
 
     def __post_init__(self):

@@ -42,7 +42,9 @@ def counter_for(name: str) -> TokenCounter:
 
 
 def client_for(a, base_url: str | None = None) -> ClientConfig:
-    return ClientConfig(base_url=base_url or a.base_url, model=a.model, timeout=a.timeout, ignore_eos=not a.no_ignore_eos)
+    return ClientConfig(
+        base_url=base_url or a.base_url, model=a.model, timeout=a.timeout, ignore_eos=not a.no_ignore_eos
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,14 +69,27 @@ def main(argv: list[str] | None = None) -> int:
         return workloads.build(wl, counter)
 
     values = [float(v) for v in a.values.split(",")]
-    config = {"client": {"base_url": a.base_url, "model": a.model, "ignore_eos": cfg.ignore_eos},
-              "workload": {"name": "mixed", "seed": a.seed, "tokenizer": counter.name,
-                           "output_tokens": a.output_tokens},
-              "bench": "concurrency", "server_cmd": a.server_cmd}
+    config = {
+        "client": {"base_url": a.base_url, "model": a.model, "ignore_eos": cfg.ignore_eos},
+        "workload": {"name": "mixed", "seed": a.seed, "tokenizer": counter.name, "output_tokens": a.output_tokens},
+        "bench": "concurrency",
+        "server_cmd": a.server_cmd,
+    }
     os.makedirs(a.out_dir, exist_ok=True)
     with ServerProcess(a.server_cmd, cfg.root, a.server_timeout, os.path.join(a.out_dir, "server.log")):
-        res = sweep(specs_for, cfg, "concurrency", values, SLO(a.slo_ttft_ms, a.slo_tpot_ms), config,
-                    a.out_dir, seed=a.seed, label="mixed", max_duration=a.duration, progress=not a.no_progress)
+        res = sweep(
+            specs_for,
+            cfg,
+            "concurrency",
+            values,
+            SLO(a.slo_ttft_ms, a.slo_tpot_ms),
+            config,
+            a.out_dir,
+            seed=a.seed,
+            label="mixed",
+            max_duration=a.duration,
+            progress=not a.no_progress,
+        )
     table = sweep_table(res)
     with open(os.path.join(a.out_dir, "table.md"), "w") as f:
         f.write(table + "\n")

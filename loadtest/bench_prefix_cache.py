@@ -26,13 +26,17 @@ from loadtest.sweep import measure
 
 
 def summary_table(on: dict, off: dict) -> str:
-    rows = ["| prefix caching | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | output tok/s | hit rate |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| prefix caching | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | output tok/s | hit rate |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in (("on", on), ("off", off)):
         a, h = r["aggregates"], hit_rate(r)
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        rows.append(f"| {name} | {f(a['ttft_ms']['p50'])} | {f(a['ttft_ms']['p99'])} | {f(a['e2e_ms']['p50'])} "
-                    f"| {a['output_tok_s']:.1f} | {'-' if h is None else f'{100 * h:.1f}%'} |")
+        rows.append(
+            f"| {name} | {f(a['ttft_ms']['p50'])} | {f(a['ttft_ms']['p99'])} | {f(a['e2e_ms']['p50'])} "
+            f"| {a['output_tok_s']:.1f} | {'-' if h is None else f'{100 * h:.1f}%'} |"
+        )
     return "\n".join(rows)
 
 
@@ -51,21 +55,47 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     counter = counter_for(a.tokenizer)
-    wl = workloads.WorkloadConfig("shared-prefix", num_requests=a.num_requests, seed=a.seed,
-                                  prefix_tokens=a.prefix_tokens, num_prefixes=a.num_prefixes,
-                                  output_tokens=a.output_tokens)
+    wl = workloads.WorkloadConfig(
+        "shared-prefix",
+        num_requests=a.num_requests,
+        seed=a.seed,
+        prefix_tokens=a.prefix_tokens,
+        num_prefixes=a.num_prefixes,
+        output_tokens=a.output_tokens,
+    )
     specs = workloads.build(wl, counter)
     os.makedirs(a.out_dir, exist_ok=True)
     results = {}
-    for name, cmd, url in (("on", a.server_cmd_on, a.base_url), ("off", a.server_cmd_off, a.base_url_off or a.base_url)):
+    for name, cmd, url in (
+        ("on", a.server_cmd_on, a.base_url),
+        ("off", a.server_cmd_off, a.base_url_off or a.base_url),
+    ):
         cfg = client_for(a, url)
-        config = {"client": {"base_url": url, "model": a.model, "ignore_eos": cfg.ignore_eos},
-                  "workload": {"name": wl.name, "seed": a.seed, "tokenizer": counter.name,
-                               "prefix_tokens": a.prefix_tokens, "num_requests": a.num_requests},
-                  "bench": "prefix_cache", "prefix_caching": name, "server_cmd": cmd}
+        config = {
+            "client": {"base_url": url, "model": a.model, "ignore_eos": cfg.ignore_eos},
+            "workload": {
+                "name": wl.name,
+                "seed": a.seed,
+                "tokenizer": counter.name,
+                "prefix_tokens": a.prefix_tokens,
+                "num_requests": a.num_requests,
+            },
+            "bench": "prefix_cache",
+            "prefix_caching": name,
+            "server_cmd": cmd,
+        }
         with ServerProcess(cmd, cfg.root, a.server_timeout, os.path.join(a.out_dir, f"server_{name}.log")):
-            res = measure(specs, cfg, ClosedLoop(a.concurrency), SLO(), config, label=f"prefix cache {name}",
-                          max_duration=a.duration, progress=not a.no_progress, desc=f"cache {name}")
+            res = measure(
+                specs,
+                cfg,
+                ClosedLoop(a.concurrency),
+                SLO(),
+                config,
+                label=f"prefix cache {name}",
+                max_duration=a.duration,
+                progress=not a.no_progress,
+                desc=f"cache {name}",
+            )
         save(res, os.path.join(a.out_dir, f"{name}.json"))
         results[name] = res
     table = summary_table(results["on"], results["off"])

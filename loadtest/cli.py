@@ -27,8 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     O.add_server(s), O.add_workload(s), O.add_arrival(s, sweepable=True), O.add_slo_output(s)
     s.add_argument("--over", choices=("concurrency", "rate"), default="concurrency")
     s.add_argument("--values", default="1,2,4,8,16,32,64", help="comma-separated")
-    s.add_argument("--requests-per-unit", type=int, default=0,
-                   help="send max(--num-requests, this x value) requests per point")
+    s.add_argument(
+        "--requests-per-unit", type=int, default=0, help="send max(--num-requests, this x value) requests per point"
+    )
     s.add_argument("--out-dir", default="loadtest-results/sweep")
 
     c = sub.add_parser("compare", help="result files side by side with ratios to the first")
@@ -82,8 +83,19 @@ def cmd_sweep(a) -> int:
         return cache[n]
 
     config = _sweep_config(a, cfg, wl, counter.name)
-    res = sweep(specs_for, cfg, a.over, values, O.slo(a), config, a.out_dir, seed=a.seed,
-                label=a.label or f"{wl.name} sweep", scrape=a.scrape_metrics, **O.run_kwargs(a))
+    res = sweep(
+        specs_for,
+        cfg,
+        a.over,
+        values,
+        O.slo(a),
+        config,
+        a.out_dir,
+        seed=a.seed,
+        label=a.label or f"{wl.name} sweep",
+        scrape=a.scrape_metrics,
+        **O.run_kwargs(a),
+    )
     print(sweep_table(res, markdown=False))
     print(f"\nsweep: {os.path.join(a.out_dir, 'sweep.json')}")
     print(f"plot:  {plots.sweep_plot(res, os.path.join(a.out_dir, 'sweep.png'))}")
@@ -140,5 +152,6 @@ def cmd_workload(a) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "plot": cmd_plot,
-            "workload": cmd_workload}[a.cmd](a)
+    return {"run": cmd_run, "sweep": cmd_sweep, "compare": cmd_compare, "plot": cmd_plot, "workload": cmd_workload}[
+        a.cmd
+    ](a)

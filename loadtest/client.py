@@ -21,11 +21,11 @@ from loadtest.workloads import RequestSpec
 @dataclass
 class ClientConfig:
     base_url: str = "http://127.0.0.1:8000"
-    model: str | None = None            # None: the first id of GET /v1/models
-    api: str = "auto"                   # auto (chat when the spec has messages) | completions | chat
-    ignore_eos: bool = True             # sends ignore_eos + min_tokens: forces max_tokens tokens
+    model: str | None = None  # None: the first id of GET /v1/models
+    api: str = "auto"  # auto (chat when the spec has messages) | completions | chat
+    ignore_eos: bool = True  # sends ignore_eos + min_tokens: forces max_tokens tokens
     temperature: float = 0.0
-    timeout: float = 300.0              # whole-request bound, seconds
+    timeout: float = 300.0  # whole-request bound, seconds
     api_key: str | None = None
     extra_body: dict = field(default_factory=dict)
 
@@ -40,14 +40,21 @@ class ClientConfig:
 
 def endpoint_and_body(spec: RequestSpec, cfg: ClientConfig, model: str) -> tuple[str, dict]:
     chat = cfg.api == "chat" or (cfg.api == "auto" and spec.messages is not None)
-    body: dict = {"model": model, "max_tokens": spec.max_tokens, "stream": True,
-                  "stream_options": {"include_usage": True}, "temperature": cfg.temperature}
+    body: dict = {
+        "model": model,
+        "max_tokens": spec.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": cfg.temperature,
+    }
     if chat:
-        body["messages"] = spec.messages if spec.messages is not None else [
-            {"role": "user", "content": spec.prompt}]
+        body["messages"] = spec.messages if spec.messages is not None else [{"role": "user", "content": spec.prompt}]
     else:
-        body["prompt"] = spec.prompt if spec.prompt is not None else "\n".join(
-            f"{m['role']}: {m['content']}" for m in spec.messages) + "\nassistant:"
+        body["prompt"] = (
+            spec.prompt
+            if spec.prompt is not None
+            else "\n".join(f"{m['role']}: {m['content']}" for m in spec.messages) + "\nassistant:"
+        )
     if cfg.ignore_eos:
         body["ignore_eos"] = True
         body["min_tokens"] = spec.max_tokens
@@ -72,19 +79,26 @@ def _chunk_text(choice: dict) -> str:
     return choice.get("text") or ""
 
 
-async def send(client: httpx.AsyncClient, cfg: ClientConfig, model: str, spec: RequestSpec,
-               run_start: float | None = None) -> RequestRecord:
+async def send(
+    client: httpx.AsyncClient, cfg: ClientConfig, model: str, spec: RequestSpec, run_start: float | None = None
+) -> RequestRecord:
     """Send one streaming request and measure it. Never raises for request-level failures."""
     path, body = endpoint_and_body(spec, cfg, model)
-    rec = RequestRecord(id=spec.id, kind=spec.kind, prompt_tokens=spec.prompt_tokens,
-                        expected_output_tokens=spec.max_tokens)
+    rec = RequestRecord(
+        id=spec.id, kind=spec.kind, prompt_tokens=spec.prompt_tokens, expected_output_tokens=spec.max_tokens
+    )
     t0 = time.perf_counter()
     rec.start = t0 - run_start if run_start is not None else 0.0
     last = None
     try:
         async with asyncio.timeout(cfg.timeout):
-            async with client.stream("POST", cfg.root + path, json=body, headers=cfg.headers(),
-                                     timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 10.0))) as resp:
+            async with client.stream(
+                "POST",
+                cfg.root + path,
+                json=body,
+                headers=cfg.headers(),
+                timeout=httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 10.0)),
+            ) as resp:
                 rec.http_status = resp.status_code
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")

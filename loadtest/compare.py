@@ -70,8 +70,12 @@ def render(results: list[dict], markdown: bool = False) -> str:
     t = table(results)
     labels = t["labels"]
     head = ["metric"] + labels + [f"{lab} / {labels[0]}" for lab in labels[1:]]
-    body = [[row["metric"]] + [_num(v) for v in row["values"]]
-            + ["-" if r is None else f"{r:.2f}x" for r in row["ratios"][1:]] for row in t["rows"]]
+    body = [
+        [row["metric"]]
+        + [_num(v) for v in row["values"]]
+        + ["-" if r is None else f"{r:.2f}x" for r in row["ratios"][1:]]
+        for row in t["rows"]
+    ]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(r) + " |" for r in body]

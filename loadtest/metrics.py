@@ -15,6 +15,7 @@ PERCENTILES = (50, 90, 99)
 @dataclass(frozen=True)
 class SLO:
     """A request is *good* when it succeeded and meets every bound given (milliseconds)."""
+
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
@@ -43,8 +44,7 @@ def stats_ms(values_s: list[float]) -> dict[str, float | None]:
     return out | {"count": int(a.size)}
 
 
-def aggregate(records: list[RequestRecord], duration_s: float, slo: SLO = SLO(),
-              not_sent: int = 0) -> dict:
+def aggregate(records: list[RequestRecord], duration_s: float, slo: SLO = SLO(), not_sent: int = 0) -> dict:
     ok = [r for r in records if r.success]
     n = len(records)
     dur = max(duration_s, 1e-9)

@@ -24,10 +24,18 @@ def add_server(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)")
     g.add_argument("--model", default=None, help="model name (default: first of GET /v1/models)")
-    g.add_argument("--api", choices=("auto", "completions", "chat"), default="auto",
-                   help="auto: chat for message workloads, completions otherwise")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="force max_tokens output (sends ignore_eos and min_tokens)")
+    g.add_argument(
+        "--api",
+        choices=("auto", "completions", "chat"),
+        default="auto",
+        help="auto: chat for message workloads, completions otherwise",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="force max_tokens output (sends ignore_eos and min_tokens)",
+    )
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--timeout", type=float, default=300.0, help="per-request bound, seconds")
     g.add_argument("--api-key", default=None)
@@ -40,8 +48,11 @@ def add_workload(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-requests", "-n", type=int, default=100)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--output-tokens", type=int, default=None, help="same output length for every request")
-    g.add_argument("--tokenizer", default=None,
-                   help="'smollm2' (embedded GGUF), a .gguf file or a local HF dir; default: word ratio")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'smollm2' (embedded GGUF), a .gguf file or a local HF dir; default: word ratio",
+    )
     g.add_argument("--words-per-token", type=float, default=0.75, help="approximation without --tokenizer")
     g.add_argument("--prefix-tokens", type=int, default=512, help="shared-prefix: common prefix length")
     g.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes")
@@ -63,8 +74,12 @@ def add_arrival(p: argparse.ArgumentParser, sweepable: bool = False) -> None:
     g.add_argument("--max-concurrency", type=int, default=None, help="cap in-flight requests (open loop)")
     g.add_argument("--duration", type=float, default=600.0, help="stop sending after this many seconds")
     g.add_argument("--max-requests", type=int, default=None, help="send at most this many")
-    g.add_argument("--drain-timeout", type=float, default=None,
-                   help="after --duration, seconds in-flight requests get (default: --timeout + 5)")
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=None,
+        help="after --duration, seconds in-flight requests get (default: --timeout + 5)",
+    )
 
 
 def add_slo_output(p: argparse.ArgumentParser) -> None:
@@ -74,21 +89,42 @@ def add_slo_output(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slo-e2e-ms", type=float, default=None)
     g.add_argument("--label", default=None)
     g.add_argument("--no-progress", action="store_true")
-    g.add_argument("--scrape-metrics", action=argparse.BooleanOptionalAction, default=True,
-                   help="read prefix-cache counters from the server's /metrics")
+    g.add_argument(
+        "--scrape-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="read prefix-cache counters from the server's /metrics",
+    )
 
 
 def client_config(a) -> ClientConfig:
-    return ClientConfig(base_url=a.base_url, model=a.model, api=a.api, ignore_eos=a.ignore_eos,
-                        temperature=a.temperature, timeout=a.timeout, api_key=a.api_key)
+    return ClientConfig(
+        base_url=a.base_url,
+        model=a.model,
+        api=a.api,
+        ignore_eos=a.ignore_eos,
+        temperature=a.temperature,
+        timeout=a.timeout,
+        api_key=a.api_key,
+    )
 
 
 def workload_config(a) -> WorkloadConfig:
     name = "jsonl" if a.workload_file else a.workload
-    return WorkloadConfig(name=name, num_requests=a.num_requests, seed=a.seed, output_tokens=a.output_tokens,
-                          path=a.workload_file, prefix_tokens=a.prefix_tokens, num_prefixes=a.num_prefixes,
-                          suffix_range=a.suffix_tokens, turns=a.turns, long_range=a.long_tokens,
-                          prompt_range=a.prompt_range, output_range=a.output_range)
+    return WorkloadConfig(
+        name=name,
+        num_requests=a.num_requests,
+        seed=a.seed,
+        output_tokens=a.output_tokens,
+        path=a.workload_file,
+        prefix_tokens=a.prefix_tokens,
+        num_prefixes=a.num_prefixes,
+        suffix_range=a.suffix_tokens,
+        turns=a.turns,
+        long_range=a.long_tokens,
+        prompt_range=a.prompt_range,
+        output_range=a.output_range,
+    )
 
 
 def counter(a) -> TokenCounter:
@@ -113,13 +149,22 @@ def slo(a) -> SLO:
 
 
 def run_kwargs(a) -> dict:
-    return {"max_requests": a.max_requests, "max_duration": a.duration, "max_concurrency": a.max_concurrency,
-            "drain_timeout": a.drain_timeout, "progress": not a.no_progress}
+    return {
+        "max_requests": a.max_requests,
+        "max_duration": a.duration,
+        "max_concurrency": a.max_concurrency,
+        "drain_timeout": a.drain_timeout,
+        "progress": not a.no_progress,
+    }
 
 
 def config_dict(a, cfg: ClientConfig, wl: WorkloadConfig, arr: Arrival, tokenizer_name: str) -> dict:
     client = asdict(cfg)
     client.pop("api_key", None)
-    return {"client": client, "workload": asdict(wl) | {"tokenizer": tokenizer_name},
-            "arrival": arr.describe(), "bounds": {k: v for k, v in run_kwargs(a).items() if k != "progress"},
-            "slo": asdict(slo(a))}
+    return {
+        "client": client,
+        "workload": asdict(wl) | {"tokenizer": tokenizer_name},
+        "arrival": arr.describe(),
+        "bounds": {k: v for k, v in run_kwargs(a).items() if k != "progress"},
+        "slo": asdict(slo(a)),
+    }

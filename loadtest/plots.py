@@ -97,8 +97,10 @@ def sweep_plot(sweep: dict, path: str) -> str:
 
 def plot_results(results: list[dict], out_dir: str, prefix: str = "") -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    return [latency_cdfs(results, os.path.join(out_dir, f"{prefix}latency_cdf.png")),
-            throughput_over_time(results, os.path.join(out_dir, f"{prefix}throughput.png"))]
+    return [
+        latency_cdfs(results, os.path.join(out_dir, f"{prefix}latency_cdf.png")),
+        throughput_over_time(results, os.path.join(out_dir, f"{prefix}throughput.png")),
+    ]
 
 
 def _save(fig, path: str) -> str:

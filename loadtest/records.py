@@ -6,21 +6,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # Error kinds (``RequestRecord.error_kind``); HTTP status errors are "http_<code>".
-CONNECT = "connect"            # could not connect / connection refused
-TIMEOUT = "timeout"            # connect, read or whole-request timeout
-DROPPED = "stream_dropped"     # connection closed mid-body (incomplete chunked read, reset)
-NO_DONE = "no_done"            # body ended cleanly but without "data: [DONE]"
+CONNECT = "connect"  # could not connect / connection refused
+TIMEOUT = "timeout"  # connect, read or whole-request timeout
+DROPPED = "stream_dropped"  # connection closed mid-body (incomplete chunked read, reset)
+NO_DONE = "no_done"  # body ended cleanly but without "data: [DONE]"
 STREAM_ERROR = "stream_error"  # an error event / {"error": ...} inside the stream
-SHORT = "short_output"         # fewer tokens than forced with ignore_eos
-EMPTY = "empty_output"         # no token at all
-BAD_CHUNK = "bad_chunk"        # a data line that is not JSON
-CANCELLED = "cancelled"        # still running when the run's duration bound cut it off
+SHORT = "short_output"  # fewer tokens than forced with ignore_eos
+EMPTY = "empty_output"  # no token at all
+BAD_CHUNK = "bad_chunk"  # a data line that is not JSON
+CANCELLED = "cancelled"  # still running when the run's duration bound cut it off
 OTHER = "other"
 
 
 @dataclass
 class RequestRecord:
     """Times are seconds. ``start`` is from the run's start; the rest from the request's send."""
+
     id: str
     kind: str = "custom"
     start: float = 0.0
@@ -29,13 +30,13 @@ class RequestRecord:
     error: str | None = None
     http_status: int | None = None
     ttft: float | None = None
-    latency: float | None = None                     # end-to-end
-    itl: list[float] = field(default_factory=list)   # gaps between token chunks after the first
+    latency: float | None = None  # end-to-end
+    itl: list[float] = field(default_factory=list)  # gaps between token chunks after the first
     chunk_tokens: list[int] = field(default_factory=list)  # tokens counted per chunk (1 each)
-    output_tokens: int = 0                           # usage.completion_tokens when the server gives it
-    prompt_tokens: int = 0                           # usage.prompt_tokens, else the workload's count
+    output_tokens: int = 0  # usage.completion_tokens when the server gives it
+    prompt_tokens: int = 0  # usage.prompt_tokens, else the workload's count
     expected_output_tokens: int = 0
-    cached_tokens: int | None = None                 # usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     usage_reported: bool = False
     finish_reason: str | None = None
 

@@ -12,8 +12,11 @@ def _fmt(v, nd: int = 1) -> str:
 
 
 def slo_text(slo: dict) -> str:
-    parts = [f"{name.upper()}<={slo[key]:g}ms" for key, name in
-             (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("e2e_ms", "e2e")) if slo.get(key) is not None]
+    parts = [
+        f"{name.upper()}<={slo[key]:g}ms"
+        for key, name in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("e2e_ms", "e2e"))
+        if slo.get(key) is not None
+    ]
     return " ".join(parts) or "no SLO given (every success counts)"
 
 

@@ -17,8 +17,9 @@ KIND = "orbital.loadtest.result"
 SWEEP_KIND = "orbital.loadtest.sweep"
 
 
-def make_result(config: dict, run: RunOutput, slo: SLO, label: str | None = None,
-                server_metrics: dict | None = None) -> dict:
+def make_result(
+    config: dict, run: RunOutput, slo: SLO, label: str | None = None, server_metrics: dict | None = None
+) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": KIND,

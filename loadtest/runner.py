@@ -19,16 +19,24 @@ from loadtest.workloads import RequestSpec
 @dataclass
 class RunOutput:
     records: list[RequestRecord]
-    duration_s: float          # run start to the end of the last request
+    duration_s: float  # run start to the end of the last request
     model: str
-    not_sent: int = 0          # requests the duration bound kept from being sent
+    not_sent: int = 0  # requests the duration bound kept from being sent
     started_at: float = field(default_factory=time.time)
 
 
-async def run_async(specs: list[RequestSpec], cfg: ClientConfig, arrival: Arrival, *,
-                    max_requests: int | None = None, max_duration: float | None = None,
-                    max_concurrency: int | None = None, drain_timeout: float | None = None,
-                    progress: bool = True, desc: str = "requests") -> RunOutput:
+async def run_async(
+    specs: list[RequestSpec],
+    cfg: ClientConfig,
+    arrival: Arrival,
+    *,
+    max_requests: int | None = None,
+    max_duration: float | None = None,
+    max_concurrency: int | None = None,
+    drain_timeout: float | None = None,
+    progress: bool = True,
+    desc: str = "requests",
+) -> RunOutput:
     """Send ``specs`` (at most ``max_requests``), dispatching only until ``max_duration`` seconds;
     requests in flight then get ``drain_timeout`` (default: request timeout + 5 s) to finish and
     are recorded as ``cancelled`` after that. A multi-turn request waits for the turn before it."""
@@ -101,8 +109,13 @@ async def run_async(specs: list[RequestSpec], cfg: ClientConfig, arrival: Arriva
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         for spec, start in list(inflight.values()):
-            rec = RequestRecord(id=spec.id, kind=spec.kind, start=start, prompt_tokens=spec.prompt_tokens,
-                                expected_output_tokens=spec.max_tokens)
+            rec = RequestRecord(
+                id=spec.id,
+                kind=spec.kind,
+                start=start,
+                prompt_tokens=spec.prompt_tokens,
+                expected_output_tokens=spec.max_tokens,
+            )
             records.append(rec.fail(R.CANCELLED, "cut off by the duration bound"))
         bar.close()
         ends = [r.end for r in records if r.end is not None]

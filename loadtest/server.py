@@ -37,8 +37,9 @@ class ServerProcess:
     def __enter__(self) -> "ServerProcess":
         if self.cmd:
             log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-            self.proc = subprocess.Popen(shlex.split(self.cmd), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                shlex.split(self.cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         try:
             wait_ready(self.root, self.timeout, self.proc)
         except BaseException:

@@ -7,29 +7,50 @@ from dataclasses import dataclass
 
 from loadtest.tokens import TokenCounter
 
-NOUNS = ("system river engine garden market library network signal harbor mountain compiler "
-         "kitchen planet bridge archive forest protocol memory village orchestra battery canal "
-         "theory cluster lantern museum satellite recipe contract glacier algorithm festival "
-         "window teacher island scheduler harvest camera desert cache ledger violin tunnel").split()
-VERBS = ("builds measures carries explains protects follows changes connects balances records "
-         "improves describes holds shapes predicts reduces collects supports returns divides "
-         "observes repairs stores compares").split()
-ADJS = ("quiet bright ancient rapid careful hidden simple fragile modern distant steady curious "
-        "narrow golden practical gentle complex remote sturdy vivid").split()
+NOUNS = (
+    "system river engine garden market library network signal harbor mountain compiler "
+    "kitchen planet bridge archive forest protocol memory village orchestra battery canal "
+    "theory cluster lantern museum satellite recipe contract glacier algorithm festival "
+    "window teacher island scheduler harvest camera desert cache ledger violin tunnel"
+).split()
+VERBS = (
+    "builds measures carries explains protects follows changes connects balances records "
+    "improves describes holds shapes predicts reduces collects supports returns divides "
+    "observes repairs stores compares"
+).split()
+ADJS = (
+    "quiet bright ancient rapid careful hidden simple fragile modern distant steady curious "
+    "narrow golden practical gentle complex remote sturdy vivid"
+).split()
 ADVS = ("slowly often rarely quickly carefully always nearly clearly mostly gently").split()
 LINKS = ("while because although when since and but so").split()
 LANGS = ("French German Spanish Italian Portuguese Dutch Swedish Polish").split()
-CODE_TASKS = ("parses a CSV file", "merges two sorted lists", "implements an LRU cache",
-              "validates an email address", "computes a moving average", "walks a directory tree",
-              "rate-limits function calls", "serializes a binary tree")
+CODE_TASKS = (
+    "parses a CSV file",
+    "merges two sorted lists",
+    "implements an LRU cache",
+    "validates an email address",
+    "computes a moving average",
+    "walks a directory tree",
+    "rate-limits function calls",
+    "serializes a binary tree",
+)
 LANGS_CODE = ("Python", "Rust", "Go", "TypeScript", "C++", "Java")
 
 
 def sentence(rng: random.Random) -> list[str]:
     words = [rng.choice(ADJS), rng.choice(NOUNS), rng.choice(VERBS), "the", rng.choice(NOUNS)]
     for _ in range(rng.randint(0, 2)):
-        words += [rng.choice(LINKS), "the", rng.choice(ADJS), rng.choice(NOUNS), rng.choice(ADVS),
-                  rng.choice(VERBS), "a", rng.choice(NOUNS)]
+        words += [
+            rng.choice(LINKS),
+            "the",
+            rng.choice(ADJS),
+            rng.choice(NOUNS),
+            rng.choice(ADVS),
+            rng.choice(VERBS),
+            "a",
+            rng.choice(NOUNS),
+        ]
     words[0] = words[0].capitalize()
     words[-1] += "."
     return words
@@ -66,6 +87,7 @@ def fit(rng: random.Random, counter: TokenCounter, head: str, tail: str, target:
 @dataclass(frozen=True)
 class TaskKind:
     """A task-like request family: prompt and fixed output length ranges (tokens), a weight."""
+
     name: str
     prompt_range: tuple[int, int]
     output_range: tuple[int, int]
@@ -79,8 +101,10 @@ class TaskKind:
         if self.name == "translation":
             return f"Translate the following text into {rng.choice(LANGS)}:", "Translation:"
         if self.name == "code":
-            return (f"Write a {rng.choice(LANGS_CODE)} function that {rng.choice(CODE_TASKS)}. Requirements:",
-                    "Return only the code with brief comments.")
+            return (
+                f"Write a {rng.choice(LANGS_CODE)} function that {rng.choice(CODE_TASKS)}. Requirements:",
+                "Return only the code with brief comments.",
+            )
         if self.name == "summary":
             return "Summarize the following report in a short paragraph:", "Summary:"
         if self.name == "story":

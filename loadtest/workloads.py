@@ -20,13 +20,13 @@ from loadtest.tokens import TokenCounter
 @dataclass
 class RequestSpec:
     id: str
-    max_tokens: int                      # forced output length (with ignore_eos)
-    prompt: str | None = None            # /v1/completions
-    messages: list[dict] | None = None   # /v1/chat/completions
-    prompt_tokens: int = 0               # by the workload's counter (the server's usage wins)
+    max_tokens: int  # forced output length (with ignore_eos)
+    prompt: str | None = None  # /v1/completions
+    messages: list[dict] | None = None  # /v1/chat/completions
+    prompt_tokens: int = 0  # by the workload's counter (the server's usage wins)
     kind: str = "custom"
-    session: str | None = None           # multi-turn: conversation id
-    depends_on: str | None = None        # multi-turn: sent only after this request ended
+    session: str | None = None  # multi-turn: conversation id
+    depends_on: str | None = None  # multi-turn: sent only after this request ended
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -39,18 +39,18 @@ class RequestSpec:
 
 @dataclass
 class WorkloadConfig:
-    name: str = "mixed"                  # mixed | uniform | shared-prefix | multi-turn | long-prompt | jsonl
+    name: str = "mixed"  # mixed | uniform | shared-prefix | multi-turn | long-prompt | jsonl
     num_requests: int = 100
     seed: int = 0
-    output_tokens: int | None = None     # override every request's output length
-    path: str | None = None              # for jsonl
-    prefix_tokens: int = 512             # shared-prefix
+    output_tokens: int | None = None  # override every request's output length
+    path: str | None = None  # for jsonl
+    prefix_tokens: int = 512  # shared-prefix
     num_prefixes: int = 1
     suffix_range: tuple[int, int] = (20, 60)
-    turns: int = 4                       # multi-turn
+    turns: int = 4  # multi-turn
     long_range: tuple[int, int] = (1500, 3500)  # long-prompt
-    prompt_range: tuple[int, int] = (20, 600)   # uniform: prompt tokens, drawn uniformly
-    output_range: tuple[int, int] = (10, 500)   # uniform: output tokens, drawn uniformly
+    prompt_range: tuple[int, int] = (20, 600)  # uniform: prompt tokens, drawn uniformly
+    output_range: tuple[int, int] = (10, 500)  # uniform: output tokens, drawn uniformly
     extra: dict = field(default_factory=dict)
 
 
@@ -64,8 +64,7 @@ def mixed(n: int, rng: random.Random, counter: TokenCounter) -> list[RequestSpec
         out = rng.randint(*kind.output_range)
         head, tail = kind.frame(rng)
         prompt = textgen.fit(rng, counter, head, tail, target)
-        specs.append(RequestSpec(f"mixed-{i}", out, prompt=prompt, prompt_tokens=counter.count(prompt),
-                                 kind=kind.name))
+        specs.append(RequestSpec(f"mixed-{i}", out, prompt=prompt, prompt_tokens=counter.count(prompt), kind=kind.name))
     return specs
 
 
@@ -78,21 +77,31 @@ def uniform(cfg: WorkloadConfig, rng: random.Random, counter: TokenCounter) -> l
         target = rng.randint(*cfg.prompt_range)
         out = rng.randint(*cfg.output_range)
         prompt = textgen.fit(rng, counter, "", "", target)
-        specs.append(RequestSpec(f"uniform-{i}", out, prompt=prompt, prompt_tokens=counter.count(prompt),
-                                 kind="uniform"))
+        specs.append(
+            RequestSpec(f"uniform-{i}", out, prompt=prompt, prompt_tokens=counter.count(prompt), kind="uniform")
+        )
     return specs
 
 
 def shared_prefix(cfg: WorkloadConfig, rng: random.Random, counter: TokenCounter) -> list[RequestSpec]:
-    prefixes = [textgen.fit(rng, counter, f"You are assistant number {g}. Follow this policy exactly:",
-                            "", cfg.prefix_tokens) for g in range(cfg.num_prefixes)]
+    prefixes = [
+        textgen.fit(rng, counter, f"You are assistant number {g}. Follow this policy exactly:", "", cfg.prefix_tokens)
+        for g in range(cfg.num_prefixes)
+    ]
     specs = []
     for i in range(cfg.num_requests):
         g = i % cfg.num_prefixes
         suffix = textgen.fit(rng, counter, f"Request {i}:", "Answer:", rng.randint(*cfg.suffix_range))
         prompt = prefixes[g] + "\n\n" + suffix
-        specs.append(RequestSpec(f"prefix-{i}", rng.randint(16, 48), prompt=prompt,
-                                 prompt_tokens=counter.count(prompt), kind=f"prefix{g}"))
+        specs.append(
+            RequestSpec(
+                f"prefix-{i}",
+                rng.randint(16, 48),
+                prompt=prompt,
+                prompt_tokens=counter.count(prompt),
+                kind=f"prefix{g}",
+            )
+        )
     return specs
 
 
@@ -111,9 +120,17 @@ def multi_turn(cfg: WorkloadConfig, rng: random.Random, counter: TokenCounter) -
             messages = messages + [{"role": "user", "content": user}]
             out = rng.randint(40, 120)
             rid = f"chat-{s}-{t}"
-            by_turn[t].append(RequestSpec(rid, out, messages=list(messages),
-                                          prompt_tokens=sum(counter.count(m["content"]) for m in messages),
-                                          kind=f"turn{t}", session=f"chat-{s}", depends_on=prev))
+            by_turn[t].append(
+                RequestSpec(
+                    rid,
+                    out,
+                    messages=list(messages),
+                    prompt_tokens=sum(counter.count(m["content"]) for m in messages),
+                    kind=f"turn{t}",
+                    session=f"chat-{s}",
+                    depends_on=prev,
+                )
+            )
             reply = textgen.fit(rng, counter, "", "", out)
             messages = messages + [{"role": "assistant", "content": reply}]
             prev = rid
@@ -124,10 +141,22 @@ def multi_turn(cfg: WorkloadConfig, rng: random.Random, counter: TokenCounter) -
 def long_prompt(cfg: WorkloadConfig, rng: random.Random, counter: TokenCounter) -> list[RequestSpec]:
     specs = []
     for i in range(cfg.num_requests):
-        prompt = textgen.fit(rng, counter, "Read the document and answer the final question. Document:",
-                             "Question: what is the main point?", rng.randint(*cfg.long_range))
-        specs.append(RequestSpec(f"long-{i}", rng.randint(32, 128), prompt=prompt,
-                                 prompt_tokens=counter.count(prompt), kind="long_prompt"))
+        prompt = textgen.fit(
+            rng,
+            counter,
+            "Read the document and answer the final question. Document:",
+            "Question: what is the main point?",
+            rng.randint(*cfg.long_range),
+        )
+        specs.append(
+            RequestSpec(
+                f"long-{i}",
+                rng.randint(32, 128),
+                prompt=prompt,
+                prompt_tokens=counter.count(prompt),
+                kind="long_prompt",
+            )
+        )
     return specs
 
 

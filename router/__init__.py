@@ -3,6 +3,7 @@
 `build_app(AppConfig(...))` returns the Serve application; see router/README.md.
 Imports are lazy so `import router` stays light (no Ray start, no torch import).
 """
+
 from __future__ import annotations
 
 __all__ = ["AppConfig", "build_app"]

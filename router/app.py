@@ -13,16 +13,17 @@ From Python::
 
 From a Serve config: `serve run deploy/serve.yaml` (import_path `router.app:app_builder`).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from ray.serve.config import RequestRouterConfig
 
-from router.controller.autoscaling_config import autoscaled
 from router.config import AppConfig
-from router.replica.deployment import EngineReplica
+from router.controller.autoscaling_config import autoscaled
 from router.ingress.deployment import Ingress
+from router.replica.deployment import EngineReplica
 from router.serve_tuning import single_loop
 
 if TYPE_CHECKING:
@@ -78,8 +79,7 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         cfg = AppConfig(**cfg)
     cfg, engine_options = autoscaled(cfg, engine_deployment_options(cfg))  # no-op without cfg.autoscaling
     engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
-    engine = EngineReplica.options(**engine_options).bind(
-        cfg.engine_args(), cfg.max_queued_requests_per_replica)
+    engine = EngineReplica.options(**engine_options).bind(cfg.engine_args(), cfg.max_queued_requests_per_replica)
     ingress = Ingress.options(
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),

@@ -6,6 +6,7 @@ Two bounds, both counting *queued* requests (accepted, no token produced yet):
   * per router replica (`IngressQueue`, checked before tokenizing and routing).
 Requests that are already generating do not count: the engine's batch size limits those.
 """
+
 from __future__ import annotations
 
 from engine.errors import OrbitalError
@@ -34,8 +35,9 @@ class _Queue:
     def admit(self, request_id: str) -> None:
         if len(self.queued) >= self.max_queued:
             self.rejected += 1
-            raise OverloadedError(f"{self.what} has {len(self.queued)} queued requests (limit "
-                                  f"{self.max_queued}); retry later")
+            raise OverloadedError(
+                f"{self.what} has {len(self.queued)} queued requests (limit {self.max_queued}); retry later"
+            )
         self.queued.add(request_id)
         self.in_flight += 1
 

@@ -6,6 +6,7 @@
 
 (`python -m router.cli serve ...` does the same without the console script.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,18 +22,20 @@ if TYPE_CHECKING:
     from router.config import AppConfig
 
 
-
 def _d(field: str):
     """AppConfig's default for a flag (defaults live in one place)."""
     from router.config import AppConfig
 
     return AppConfig.model_fields[field].default
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orbital", description="Orbital: distributed LLM serving on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve a model (OpenAI + TGI HTTP) until Ctrl-C")
-    s.add_argument("--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    s.add_argument(
+        "--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)"
+    )
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=_d("tensor_parallel_size"))
     s.add_argument("--replicas", type=int, default=_d("num_replicas"), help="engine replicas")
@@ -41,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
     s.add_argument("--dtype", default=_d("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument("--device", default=_d("device"))
-    s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV cache per replica (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)")
+    s.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache per replica (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
+    )
     s.add_argument("--gpu-memory-utilization", type=float, default=_d("gpu_memory_utilization"))
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
@@ -50,14 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
-    s.add_argument("--address", default="local",
-                   help="Ray cluster: 'local' starts one (default), 'auto' or host:port joins a running one")
-    s.add_argument("--max-queued-requests", type=int, default=_d("max_queued_requests"), help="per router replica; past it 429")
+    s.add_argument(
+        "--address",
+        default="local",
+        help="Ray cluster: 'local' starts one (default), 'auto' or host:port joins a running one",
+    )
+    s.add_argument(
+        "--max-queued-requests", type=int, default=_d("max_queued_requests"), help="per router replica; past it 429"
+    )
     s.add_argument("--max-queued-requests-per-replica", type=int, default=_d("max_queued_requests_per_replica"))
     s.add_argument("--request-timeout-s", type=float, default=_d("request_timeout_s"))
     s.add_argument("--max-request-body-bytes", type=int, default=_d("max_request_body_bytes"))
-    s.add_argument("--autoscaling", default=None, metavar="YAML",
-                   help="autoscaling policy file (deploy/autoscaling.yaml); replaces --replicas")
+    s.add_argument(
+        "--autoscaling",
+        default=None,
+        metavar="YAML",
+        help="autoscaling policy file (deploy/autoscaling.yaml); replaces --replicas",
+    )
     return p
 
 
@@ -72,15 +88,27 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         workers = load_autoscaling(a.autoscaling).pools["engine"].max_replicas * a.tp
     cpus = max(1.0, cores // workers) if cores >= workers else cores / workers
     return AppConfig(
-        model=a.model, served_model_name=a.served_model_name, dtype=a.dtype, device=a.device,
-        tensor_parallel_size=a.tp, num_replicas=a.replicas, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+        model=a.model,
+        served_model_name=a.served_model_name,
+        dtype=a.dtype,
+        device=a.device,
+        tensor_parallel_size=a.tp,
+        num_replicas=a.replicas,
+        kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization,
-        max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-        enable_prefix_caching=not a.no_prefix_caching, num_threads=a.threads or max(1, int(cpus)),
-        cpus_per_worker=cpus, max_queued_requests=a.max_queued_requests,
-        max_queued_requests_per_replica=a.max_queued_requests_per_replica, request_timeout_s=a.request_timeout_s,
-        max_request_body_bytes=a.max_request_body_bytes, api_key=a.api_key,
-        autoscaling=getattr(a, "autoscaling", None))
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        enable_prefix_caching=not a.no_prefix_caching,
+        num_threads=a.threads or max(1, int(cpus)),
+        cpus_per_worker=cpus,
+        max_queued_requests=a.max_queued_requests,
+        max_queued_requests_per_replica=a.max_queued_requests_per_replica,
+        request_timeout_s=a.request_timeout_s,
+        max_request_body_bytes=a.max_request_body_bytes,
+        api_key=a.api_key,
+        autoscaling=getattr(a, "autoscaling", None),
+    )
 
 
 def serve_forever(a: argparse.Namespace) -> int:
@@ -101,8 +129,11 @@ def serve_forever(a: argparse.Namespace) -> int:
         serve.start(http_options={"host": a.host, "port": a.port})
         serve.run(build_app(cfg), name="orbital", route_prefix="/")
         url = f"http://{a.host}:{a.port}"
-        print(f"Orbital is serving {cfg.model_name} at {url}  (OpenAI: {url}/v1, TGI: {url}/generate, "
-              f"metrics: {url}/metrics). Ctrl-C stops it.", flush=True)
+        print(
+            f"Orbital is serving {cfg.model_name} at {url}  (OpenAI: {url}/v1, TGI: {url}/generate, "
+            f"metrics: {url}/metrics). Ctrl-C stops it.",
+            flush=True,
+        )
         stop = {"now": False}
         signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
         while not stop["now"]:

@@ -3,6 +3,7 @@
 `engine_args()` builds the engine's EngineArgs fields from it: one function turns the outer
 config into the inner one, and every engine default is EngineArgs' own (`_E`), never repeated.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,16 +17,25 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # --- the model and the engine ---
-    model: str | None = Field(None, description="Local HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct.")
+    model: str | None = Field(
+        None, description="Local HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct."
+    )
     served_model_name: str | None = Field(None, description="Name clients pass as `model` (default: from the path).")
     dtype: str = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
     device: str = Field(_E.device, description="cpu | cuda.")
-    tensor_parallel_size: int = Field(_E.tensor_parallel_size, ge=1, description="Workers per engine replica (a TP group).")
+    tensor_parallel_size: int = Field(
+        _E.tensor_parallel_size, ge=1, description="Workers per engine replica (a TP group)."
+    )
     num_replicas: int = Field(1, ge=1, description="Engine replicas behind the router.")
     kv_cache_memory_bytes: int | None = Field(
-        _E.kv_cache_memory_bytes, gt=0, description="KV cache budget per replica (default: 1 GiB on CPU; on CUDA the "
-        "gpu_memory_utilization share of the GPU's memory left after the weights and a profiled step).")
-    gpu_memory_utilization: float = Field(_E.gpu_memory_utilization, gt=0, le=1, description="CUDA: share of GPU memory a replica may use.")
+        _E.kv_cache_memory_bytes,
+        gt=0,
+        description="KV cache budget per replica (default: 1 GiB on CPU; on CUDA the "
+        "gpu_memory_utilization share of the GPU's memory left after the weights and a profiled step).",
+    )
+    gpu_memory_utilization: float = Field(
+        _E.gpu_memory_utilization, gt=0, le=1, description="CUDA: share of GPU memory a replica may use."
+    )
     max_model_len: int | None = Field(_E.max_model_len, description="Context length (default: the model's).")
     max_num_seqs: int = Field(_E.max_num_seqs, ge=1, description="Sequences per engine step.")
     max_num_batched_tokens: int = Field(_E.max_num_batched_tokens, ge=1, description="Tokens per engine step.")
@@ -38,20 +48,31 @@ class AppConfig(BaseModel):
     # --- the router ---
     router_replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
     router_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per router replica.")
-    max_queued_requests: int = Field(256, ge=1, description="Queued (no token yet) requests per router replica; past it: 429.")
-    max_queued_requests_per_replica: int = Field(64, ge=1, description="Queued requests per engine replica; past it: 429.")
+    max_queued_requests: int = Field(
+        256, ge=1, description="Queued (no token yet) requests per router replica; past it: 429."
+    )
+    max_queued_requests_per_replica: int = Field(
+        64, ge=1, description="Queued requests per engine replica; past it: 429."
+    )
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Request body limit; past it: 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request deadline; past it: 504 (or an error event).")
-    nonstream_batch_interval_s: float = Field(0.5, ge=0, description="Non-streamed requests: a replica sends "
-                                              "outputs at most this often (fewer messages; a stop string is "
-                                              "seen up to this late). 0 = every engine step.")
+    nonstream_batch_interval_s: float = Field(
+        0.5,
+        ge=0,
+        description="Non-streamed requests: a replica sends "
+        "outputs at most this often (fewer messages; a stop string is "
+        "seen up to this late). 0 = every engine step.",
+    )
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
     api_key: str | None = Field(None, description="Bearer key for /v1 and TGI routes (default: $ORBITAL_API_KEY).")
 
     # --- scaling (router/controller/autoscaling_config.py) ---
-    autoscaling: str | dict | None = Field(None, description="Autoscaling policy: path of a YAML file like "
-                                           "deploy/autoscaling.yaml, or the same mapping inline; replaces "
-                                           "num_replicas. None = a fixed num_replicas.")
+    autoscaling: str | dict | None = Field(
+        None,
+        description="Autoscaling policy: path of a YAML file like "
+        "deploy/autoscaling.yaml, or the same mapping inline; replaces "
+        "num_replicas. None = a fixed num_replicas.",
+    )
 
     @field_validator("dtype")
     @classmethod
@@ -85,10 +106,17 @@ class AppConfig(BaseModel):
     def engine_args(self) -> dict:
         """EngineArgs fields (a plain dict, so it travels to replicas as-is)."""
         return {
-            "model": self.model, "dtype": self.dtype, "device": self.device, "block_size": self.block_size,
-            "enable_prefix_caching": self.enable_prefix_caching, "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens, "max_model_len": self.max_model_len,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes, "gpu_memory_utilization": self.gpu_memory_utilization,
-            "tensor_parallel_size": self.tensor_parallel_size, "served_model_name": self.model_name,
+            "model": self.model,
+            "dtype": self.dtype,
+            "device": self.device,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
         }

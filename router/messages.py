@@ -9,6 +9,7 @@ replica -> ingress (the output channel, one streaming call per (ingress, replica
     that ingress's requests, plus the requests that failed, as one pickled bytes object.
     `decode` checks the type once, where the bytes come in.
 """
+
 from __future__ import annotations
 
 import pickle

@@ -6,6 +6,7 @@ Histograms live in the engine replicas (they see every token as it is produced),
 is the same whichever router replica serves `/metrics` and however many engine replicas there
 are. The router adds only what it alone knows (rejections, requests in flight at the router).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -15,12 +16,74 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # Bucket bounds as vLLM uses them.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 HISTOGRAMS = {
     "time_to_first_token_seconds": (TTFT_BUCKETS, "Time to first token (from router arrival)."),
@@ -81,8 +144,15 @@ class _Snapshot:
 def aggregate(replica_stats: list[dict]) -> dict:
     """Sum the engine replicas' stats (gauges, counters, histogram buckets)."""
     hist = new_histograms()
-    agg = {"num_running": 0, "num_waiting": 0, "blocks_used": 0, "num_blocks": 0,
-           "finished": {}, "rejected": 0, **{k: 0 for k in COUNTERS}}
+    agg = {
+        "num_running": 0,
+        "num_waiting": 0,
+        "blocks_used": 0,
+        "num_blocks": 0,
+        "finished": {},
+        "rejected": 0,
+        **{k: 0 for k in COUNTERS},
+    }
     for s in replica_stats:
         for k in ("num_running", "num_waiting", "blocks_used", "num_blocks", *COUNTERS):
             agg[k] += s.get(k, 0)
@@ -121,10 +191,14 @@ def render(model_name: str, replica_stats: list[dict], router: dict) -> bytes:
     gauge("router_requests_queued", "Requests in this router replica with no token yet.", router.get("queued", 0))
     for name, doc in COUNTERS.items():
         counter(name, doc, agg[name])
-    counter("num_requests_rejected", "Requests rejected with 429 (overload), router and replicas.",
-            router.get("rejected", 0) + agg["rejected"])
-    success = CounterMetricFamily("orbital:request_success", "Finished requests by finish reason.",
-                                  labels=["model_name", "finished_reason"])
+    counter(
+        "num_requests_rejected",
+        "Requests rejected with 429 (overload), router and replicas.",
+        router.get("rejected", 0) + agg["rejected"],
+    )
+    success = CounterMetricFamily(
+        "orbital:request_success", "Finished requests by finish reason.", labels=["model_name", "finished_reason"]
+    )
     for reason in sorted(set(agg["finished"]) | {"stop", "length", "abort"}):
         success.add_metric([model_name, reason], agg["finished"].get(reason, 0))
     fams.append(success)

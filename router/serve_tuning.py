@@ -7,6 +7,7 @@ Serve's own throughput-optimized mode turns both off; these are two of its switc
 actor through the runtime environment (read when the replica process imports Serve).
 Our user code never blocks its loop for long (the engine steps on its own thread).
 """
+
 from __future__ import annotations
 
 SINGLE_LOOP_ENV = {

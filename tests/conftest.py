@@ -1,4 +1,5 @@
 """Shared fixtures: one torch thread budget, the embedded model's HF directory and tokenizer."""
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Loopback helpers shared by the test layers that start servers: a free port, a health wait."""
+
 from __future__ import annotations
 
 import socket

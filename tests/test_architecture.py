@@ -1,6 +1,7 @@
 """The structure the code relies on (ARCHITECTURE.md), checked from the source itself:
 no import circle between files or packages, the engine never imports Ray or the serving layer,
 and every public function carries type hints."""
+
 from __future__ import annotations
 
 import ast
@@ -113,8 +114,14 @@ def test_no_import_circle_between_files():
 
 def test_packages_import_only_downwards():
     edges, _ = _graph()
-    wrong = sorted({(m, t) for m, ts in edges.items() for t in ts
-                    if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in ALLOWED[m.split(".")[0]]})
+    wrong = sorted(
+        {
+            (m, t)
+            for m, ts in edges.items()
+            for t in ts
+            if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in ALLOWED[m.split(".")[0]]
+        }
+    )
     assert wrong == []
 
 

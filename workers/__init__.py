@@ -1,5 +1,6 @@
 """Ray side of execution: tensor-parallel ranks as actors, their process group, placement,
 and the executor factory that builds tp>1 engines (`make_executor`, `LLM`)."""
+
 from __future__ import annotations
 
 import importlib

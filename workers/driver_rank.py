@@ -3,6 +3,7 @@ hop between the scheduler and the rank that samples. It owns its own process gro
 bound to the calling thread only while it loads or steps, so several engines (groups) can
 live in one process and be stepped from any thread.
 """
+
 from __future__ import annotations
 
 import gc
@@ -72,9 +73,14 @@ class DriverRank(RankRunner):
         import ray
 
         ctx = ray.get_runtime_context()
-        return {"rank": 0, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-                "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self.rendezvous,
-                **runner_info(self.runner, self.device, self.num_threads)}
+        return {
+            "rank": 0,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "placement_group_id": ctx.get_placement_group_id(),
+            "rendezvous": self.rendezvous,
+            **runner_info(self.runner, self.device, self.num_threads),
+        }
 
 
 def runner_info(runner: ModelRunner | None, device: torch.device | str, num_threads: int | None = None) -> dict:
@@ -83,7 +89,10 @@ def runner_info(runner: ModelRunner | None, device: torch.device | str, num_thre
 
     loaded = runner is not None and runner.model is not None
     kv = runner.kv_caches if runner is not None else []
-    return {"param_bytes": parameter_bytes(runner.model) if loaded else 0,
-            "kv_cache_shape": tuple(kv[0].shape) if kv else None,
-            "num_kv_heads": runner.num_kv_heads_local if loaded else None,
-            "num_threads": num_threads or torch.get_num_threads(), "device": str(device)}
+    return {
+        "param_bytes": parameter_bytes(runner.model) if loaded else 0,
+        "kv_cache_shape": tuple(kv[0].shape) if kv else None,
+        "num_kv_heads": runner.num_kv_heads_local if loaded else None,
+        "num_threads": num_threads or torch.get_num_threads(),
+        "device": str(device),
+    }

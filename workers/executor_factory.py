@@ -1,5 +1,6 @@
 """The ExecutorFactory of processes that may run tensor-parallel groups (Serve replicas,
 `workers.LLM`): in-process at tp=1, Ray actors for ranks 1..tp-1 at tp>1."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,13 @@ from engine.executor import Executor, in_process_executor
 from engine.model_config import ModelConfig
 
 
-def make_executor(model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
-                  device: str | torch.device = "cpu", cuda_graph_max_batch: int = 0) -> Executor:
+def make_executor(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    parallel: ParallelConfig,
+    device: str | torch.device = "cpu",
+    cuda_graph_max_batch: int = 0,
+) -> Executor:
     if parallel.tensor_parallel_size == 1:
         return in_process_executor(model_config, cache_config, parallel, device, cuda_graph_max_batch)
     from workers.ray_executor import RayExecutor  # imports ray: only where a group is built

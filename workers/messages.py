@@ -3,6 +3,7 @@
 Pickled once per step by the driver for all ranks (`RemoteRanks.submit`); the ranks reply
 nothing (they do not sample: rank 0's sampled tokens reach them in the next message).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,4 +1,5 @@
 """The offline API at any tensor-parallel size: `engine.LLM` built with the Ray executor factory."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -8,6 +8,7 @@ bundles. Otherwise (offline `LLM`, the driver is the user's process) a new group
 bundles is pinned to the driver's node with a node-id label selector; on CUDA it has a bundle
 0 too, held by a placeholder actor so Ray never hands the driver's GPU to a remote rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,7 @@ def ensure_ray(min_cpus: int) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
         return False
     # "local": a private instance, never a cluster someone else started with `ray start` here.
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=False)
     _OWN_RAY_USERS = 1
     return True
 
@@ -72,8 +72,10 @@ class GroupPlacement:
 
     def strategy(self, remote_index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
-            placement_group=self.pg, placement_group_bundle_index=self.bundle_indices[remote_index],
-            placement_group_capture_child_tasks=False)
+            placement_group=self.pg,
+            placement_group_bundle_index=self.bundle_indices[remote_index],
+            placement_group_capture_child_tasks=False,
+        )
 
     def release(self) -> None:
         if self.holder is not None:
@@ -88,8 +90,14 @@ class GroupPlacement:
                 pass
 
 
-def place_group(tp: int, device_type: str, num_cpus: float, pg: PlacementGroup | None = None,
-                bundle_indices: list[int] | None = None, timeout_s: float = 60.0) -> GroupPlacement:
+def place_group(
+    tp: int,
+    device_type: str,
+    num_cpus: float,
+    pg: PlacementGroup | None = None,
+    bundle_indices: list[int] | None = None,
+    timeout_s: float = 60.0,
+) -> GroupPlacement:
     """Reserve (or adopt) bundles on the driver's node for the tp-1 remote ranks."""
     n_remote = tp - 1
     if pg is None:
@@ -98,19 +106,27 @@ def place_group(tp: int, device_type: str, num_cpus: float, pg: PlacementGroup |
         n = len(pg.bundle_specs)
         if bundle_indices is None:
             if n < tp:
-                raise ValueError(f"placement group has {n} bundles, tensor_parallel_size={tp} needs {tp} "
-                                 "(bundle 0 for the driver's rank 0, one per remote rank)")
+                raise ValueError(
+                    f"placement group has {n} bundles, tensor_parallel_size={tp} needs {tp} "
+                    "(bundle 0 for the driver's rank 0, one per remote rank)"
+                )
             bundle_indices = list(range(n - n_remote, n))
         if len(bundle_indices) != n_remote or any(not 0 <= b < n for b in bundle_indices):
-            raise ValueError(f"bundle_indices {bundle_indices} do not name {n_remote} bundles of a {n}-bundle placement group")
+            raise ValueError(
+                f"bundle_indices {bundle_indices} do not name {n_remote} bundles of a {n}-bundle placement group"
+            )
         placement = GroupPlacement(pg, bundle_indices, owned=False)
     else:
         node = ray.get_runtime_context().get_node_id()
         bundles = [rank_resources(device_type, num_cpus)] * n_remote
         if device_type == "cuda":
             bundles = [{"GPU": 1}] + bundles
-        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"orbital-tp{tp}-{uuid.uuid4().hex[:8]}",
-                             bundle_label_selector=[{"ray.io/node-id": node}] * len(bundles))
+        pg = placement_group(
+            bundles,
+            strategy="STRICT_PACK",
+            name=f"orbital-tp{tp}-{uuid.uuid4().hex[:8]}",
+            bundle_label_selector=[{"ray.io/node-id": node}] * len(bundles),
+        )
         first = 1 if device_type == "cuda" else 0
         placement = GroupPlacement(pg, list(range(first, first + n_remote)), owned=True)
     ready, _ = ray.wait([placement.pg.ready()], timeout=timeout_s)
@@ -119,7 +135,8 @@ def place_group(tp: int, device_type: str, num_cpus: float, pg: PlacementGroup |
         raise EngineDeadError(
             f"cannot place the {n_remote} remote rank(s) of a tensor-parallel group of {tp} on the driver's node "
             f"within {timeout_s:.0f}s: each needs {rank_resources(device_type, num_cpus)} there "
-            f"(cluster resources: {ray.available_resources()})")
+            f"(cluster resources: {ray.available_resources()})"
+        )
     if placement.owned and device_type == "cuda":
         _hold_driver_gpu(placement)
     return placement
@@ -127,8 +144,11 @@ def place_group(tp: int, device_type: str, num_cpus: float, pg: PlacementGroup |
 
 def _hold_driver_gpu(placement: GroupPlacement) -> None:
     """Reserve bundle 0's GPU with a placeholder actor; rank 0 in the driver uses that GPU."""
-    placement.holder = _GpuHold.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=placement.pg, placement_group_bundle_index=0)).remote()
+    placement.holder = _GpuHold.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=placement.pg, placement_group_bundle_index=0
+        )
+    ).remote()
     gpu = str(ray.get(placement.holder.gpu_ids.remote(), timeout=60)[0])
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     placement.driver_device = f"cuda:{visible.index(gpu) if visible else gpu}"

@@ -9,6 +9,7 @@ The group object is built directly rather than through `init_process_group`, so 
 group closes its connections: that is how a rank leaves, and peers blocked in a collective
 with it fail at once ("Connection closed by peer") instead of waiting.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,18 +45,27 @@ def node_address() -> str:
 def open_rendezvous(world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> tuple[str, int, object]:
     """Rank 0: start the group's TCPStore on a free port. Returns (address, port, store)."""
     addr = node_address()
-    store = dist.TCPStore(addr, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = dist.TCPStore(
+        addr, 0, world_size, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     return addr, store.port, store
 
 
-def join_group(rank: int, world_size: int, addr: str, port: int, device: str | torch.device,
-               store: object | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> TPGroup:
+def join_group(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    device: str | torch.device,
+    store: object | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> TPGroup:
     """Join the group (all ranks call this at once); returns it for the caller to bind."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(addr, port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        store = dist.TCPStore(
+            addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        )
     if backend_for(device) == "nccl":
         dev = torch.device(device)
         torch.cuda.set_device(torch.device("cuda", dev.index if dev.index is not None else 0))

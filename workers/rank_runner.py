@@ -1,5 +1,6 @@
 """What every tensor-parallel rank does with its model runner, wherever the rank lives (rank 0
 in the driver, workers/driver_rank.py; ranks 1..tp-1 as actors, workers/worker.py)."""
+
 from __future__ import annotations
 
 

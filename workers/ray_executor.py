@@ -8,6 +8,7 @@ remote calls that have already finished. A dead or failed rank becomes an Engine
 naming it: it breaks rank 0's collective (closed connection) or shows in a reaped call; the
 group is then torn down so nothing waits on it, and a new executor can be built in its place.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,10 +25,10 @@ from engine.errors import EngineDeadError
 from engine.executor import Executor
 from engine.model_config import ModelConfig
 from workers.driver_rank import DriverRank
+from workers.messages import StepInput
 from workers.placement import ensure_ray, place_group, rank_resources, release_ray
 from workers.remote_ranks import RemoteRanks
 from workers.sharding import check_tp_compatible
-from workers.messages import StepInput
 from workers.worker import TPWorker, sampled_delta
 
 if TYPE_CHECKING:
@@ -43,10 +44,19 @@ class RayExecutor(Executor):
     the driver's torch thread count; remote ranks `max(1, num_cpus_per_worker)` threads each.
     The KV budget (`kv_cache_memory_bytes`) is per rank."""
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, parallel: ParallelConfig,
-                 device: str | torch.device = "cpu", *, placement_group: PlacementGroup | None = None, bundle_indices: list[int] | None = None,
-                 num_cpus_per_worker: float = 1.0, step_timeout_s: float | None = None,
-                 startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        parallel: ParallelConfig,
+        device: str | torch.device = "cpu",
+        *,
+        placement_group: PlacementGroup | None = None,
+        bundle_indices: list[int] | None = None,
+        num_cpus_per_worker: float = 1.0,
+        step_timeout_s: float | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
         self.tp = tp = parallel.tensor_parallel_size
         check_tp_compatible(model_config.hf_config, tp)
         self.device = torch.device(device)
@@ -64,11 +74,17 @@ class RayExecutor(Executor):
             actor_cls = ray.remote(concurrency_groups={"control": 1})(TPWorker)
             gpus = rank_resources(self.device.type, num_cpus_per_worker).get("GPU", 0)
             threads = max(1, int(num_cpus_per_worker))
-            self.remote = RemoteRanks([
-                actor_cls.options(num_cpus=num_cpus_per_worker, num_gpus=gpus, max_restarts=0,
-                                  scheduling_strategy=self.placement.strategy(r - 1))
-                .remote(r, tp, str(self.device), threads)
-                for r in range(1, tp)])
+            self.remote = RemoteRanks(
+                [
+                    actor_cls.options(
+                        num_cpus=num_cpus_per_worker,
+                        num_gpus=gpus,
+                        max_restarts=0,
+                        scheduling_strategy=self.placement.strategy(r - 1),
+                    ).remote(r, tp, str(self.device), threads)
+                    for r in range(1, tp)
+                ]
+            )
             self.rank0 = DriverRank(tp, self.placement.driver_device or self.device, torch.get_num_threads())
             t = startup_timeout_s
             ray.get([w.ping.remote() for w in self.workers], timeout=t)  # started: the join window stays short
@@ -153,8 +169,10 @@ class RayExecutor(Executor):
         dead, failed = self.remote.failures(wait_s=3.0) if self.remote else ([], {})
         if dead:
             ranks = ", ".join(map(str, dead))
-            return (f"tensor-parallel rank {ranks} of {self.tp} died (worker actor gone); "
-                    f"the engine cannot continue (first error seen: {_summary(cause)})")
+            return (
+                f"tensor-parallel rank {ranks} of {self.tp} died (worker actor gone); "
+                f"the engine cannot continue (first error seen: {_summary(cause)})"
+            )
         if failed:
             # A rank that lost its peer fails too: prefer the one whose error is its own.
             own = [r for r, e in failed.items() if not _lost_peer(e)] or sorted(failed)

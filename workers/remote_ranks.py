@@ -9,6 +9,7 @@ cheapest argument). A rank that fails or dies mid-step also breaks rank 0's
 collective (its connection closes), so rank 0's step raises and the executor asks `failures`
 who it was.
 """
+
 from __future__ import annotations
 
 import pickle

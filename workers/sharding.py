@@ -1,5 +1,6 @@
 """Can this model be split over `tp` ranks? Checked in the driver, before any actor starts,
 so a bad tensor_parallel_size is a clear error instead of a failure inside a remote rank."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -24,8 +25,9 @@ def check_tp_compatible(hf_config: PretrainedConfig, tp: int) -> None:
     if inter % tp:
         problems.append(f"intermediate_size {inter} is not divisible by {tp}")
     if problems:
-        raise InvalidRequestError(f"tensor_parallel_size={tp} does not fit this model: " + "; ".join(problems),
-                                  param="tensor_parallel_size")
+        raise InvalidRequestError(
+            f"tensor_parallel_size={tp} does not fit this model: " + "; ".join(problems), param="tensor_parallel_size"
+        )
 
 
 def kv_heads_per_rank(hf_config: PretrainedConfig, tp: int) -> int:

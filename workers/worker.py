@@ -5,6 +5,7 @@ message. Rank 0 runs in the driver itself (workers/driver_rank.py).
 The driver sends a `StepInput` per step: the scheduler's delta plus the token ids rank 0
 sampled last step (these ranks do not sample, so this is how they learn them); they return None.
 """
+
 from __future__ import annotations
 
 import gc
@@ -101,9 +102,14 @@ class TPWorker(RankRunner):
         from workers.driver_rank import runner_info
 
         ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-                "placement_group_id": ctx.get_placement_group_id(), "rendezvous": self._rendezvous,
-                **runner_info(self.runner, self.device)}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ctx.get_node_id(),
+            "placement_group_id": ctx.get_placement_group_id(),
+            "rendezvous": self._rendezvous,
+            **runner_info(self.runner, self.device),
+        }
 
     def shutdown(self) -> None:
         self._leave()

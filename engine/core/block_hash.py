@@ -4,6 +4,7 @@ The hash is the full 256-bit SHA-256 digest as a Python int: collision-safe, so 
 token comparison, and stable across processes and machines (unlike `hash()`), so the router can
 compute the very hashes the engines cache under.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,9 +16,7 @@ from engine.request import Request
 _NONE_PARENT = b"\x00" * 32
 
 
-def hash_block_tokens(
-    parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()
-) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
     """Hash of one full block. Chaining the parent makes the hash identify the whole prefix."""
     h = hashlib.sha256()
     h.update(_NONE_PARENT if parent_hash is None else parent_hash.to_bytes(32, "big"))

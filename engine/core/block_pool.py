@@ -7,6 +7,7 @@ for reuse (eviction happens only then), so a later request can revive it with `t
 No null block is reserved: all `num_blocks` ids (0..num_blocks-1) are usable, which keeps the
 block ids in tests equal to the order of allocation.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence

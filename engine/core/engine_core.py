@@ -1,4 +1,5 @@
 """Scheduler + executor: one step = schedule, run the model, update requests. Token ids only."""
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -22,7 +23,9 @@ class EngineCore:
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.scheduler.abort_requests(request_ids)
 
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+    def finish_requests(
+        self, request_ids: str | Iterable[str], status: RequestStatus = RequestStatus.FINISHED_STOPPED
+    ) -> None:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:

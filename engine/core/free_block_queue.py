@@ -5,6 +5,7 @@ sentinels so that no operation needs a branch for an empty list. Free blocks tha
 prefix-cache hash stay in the queue (and in the hash map) until they are popped for reuse:
 the head is the least recently freed block, the first to be evicted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

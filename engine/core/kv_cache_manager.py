@@ -11,6 +11,7 @@ request scheduled later in the same step can already hit them. This relies on th
 usual contract: for each layer, the KV of every scheduled token is written into the cache
 before that layer's attention reads any block.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -95,9 +96,7 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         update_block_hashes(request, self.block_size)
-        self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[request.request_id], num_cached, num_full_blocks
-        )
+        self.block_pool.cache_full_blocks(request, self.req_to_blocks[request.request_id], num_cached, num_full_blocks)
         self.num_cached_block[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:

@@ -5,6 +5,7 @@ then waiting ones in policy order. Chunked prefill is what happens when N is cut
 Progress (`num_computed_tokens`) advances in schedule(); update_from_output() appends sampled
 tokens and applies stop conditions.
 """
+
 from __future__ import annotations
 
 import time
@@ -29,9 +30,7 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
-            cache_config.block_size, num_blocks, cache_config.enable_prefix_caching
-        )
+        self.kv_cache_manager = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; the last one is preempted first
@@ -50,9 +49,7 @@ class Scheduler:
         error = self._check_fits(request)
         if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
-            self._pending_outputs.append(
-                EngineCoreOutput(request.request_id, [], finish_reason="error", error=error)
-            )
+            self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="error", error=error))
             return
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -259,7 +256,8 @@ class Scheduler:
                         stop_reason=req.stop_reason if stopped else None,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
                         queue_time=(req.first_scheduled_time - req.arrival_time)
-                        if new_tokens and req.num_output_tokens == len(new_tokens) else None,
+                        if new_tokens and req.num_output_tokens == len(new_tokens)
+                        else None,
                     )
                 )
         return outputs
@@ -295,15 +293,25 @@ class Scheduler:
     def snapshot(self) -> EngineStats:
         """The state after the last step (built on the step thread; read anywhere)."""
         kv = self.kv_cache_manager.stats(self.running)
-        unscheduled = [r.arrival_time for r in self.waiting
-                       if r.status == RequestStatus.WAITING and r.first_scheduled_time is None]
+        unscheduled = [
+            r.arrival_time for r in self.waiting if r.status == RequestStatus.WAITING and r.first_scheduled_time is None
+        ]
         return EngineStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), num_preemptions=self.num_preemptions,
-            num_steps=self.num_steps, num_blocks=kv["num_blocks"], blocks_used=kv["blocks_used"],
-            blocks_free=kv["blocks_free"], blocks_cached=kv["blocks_cached"], kv_usage=kv["usage"],
-            prefix_cache_queries=kv["prefix_cache_queries"], prefix_cache_hits=kv["prefix_cache_hits"],
-            prefix_hit_rate=kv["prefix_hit_rate"], kv_waste=kv["kv_waste"],
-            oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None)
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            num_blocks=kv["num_blocks"],
+            blocks_used=kv["blocks_used"],
+            blocks_free=kv["blocks_free"],
+            blocks_cached=kv["blocks_cached"],
+            kv_usage=kv["usage"],
+            prefix_cache_queries=kv["prefix_cache_queries"],
+            prefix_cache_hits=kv["prefix_cache_hits"],
+            prefix_hit_rate=kv["prefix_hit_rate"],
+            kv_waste=kv["kv_waste"],
+            oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None,
+        )
 
     def stats(self) -> dict:
         return self.snapshot().as_dict()

@@ -5,6 +5,7 @@ first scheduled (or resumed after preemption); after that only new block ids and
 The runner keeps its own per-request state keyed by request id and appends the tokens it
 sampled itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -10,6 +10,7 @@ run PyTorch's path. Any build failure falls back to PyTorch too, and tests compa
 ORBITAL_DISABLE_CPU_KERNEL=1 turns the ops off; ORBITAL_CPU_ISA=avx2|avx512|generic builds a
 lower target than the CPU's best (to test or compare paths).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,10 @@ _SRC = Path(__file__).with_name("cpu")
 _AVX2 = ["-mavx2", "-mfma", "-mf16c"]
 _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 TARGETS: dict[str, tuple[list[str], set[str]]] = {  # name: (compiler flags, /proc/cpuinfo flags needed), best first
-    "avx512_bf16": (_AVX512 + ["-mavx512bf16"], {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-                                                 "avx512dq", "avx512_bf16"}),
+    "avx512_bf16": (
+        _AVX512 + ["-mavx512bf16"],
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"},
+    ),
     "avx512": (_AVX512, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx2": (_AVX2, {"avx2", "fma", "f16c"}),
     "generic": ([], set()),
@@ -69,8 +72,9 @@ def build_target() -> str:
     if want:
         if want in supported:
             return want
-        log.warning("ORBITAL_CPU_ISA=%s is not available on this CPU (it has %s); using %s", want, supported,
-                    supported[0])
+        log.warning(
+            "ORBITAL_CPU_ISA=%s is not available on this CPU (it has %s); using %s", want, supported, supported[0]
+        )
     return supported[0]
 
 
@@ -98,11 +102,21 @@ def _build():
         files = sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h"))
         # Keyed by the sources, the target's flags and torch's version: an edited kernel, another
         # CPU kind or another torch never reuses a stale build.
-        key = b"".join(p.name.encode() + p.read_bytes() for p in files) + " ".join(flags).encode() + torch.__version__.encode()
+        key = (
+            b"".join(p.name.encode() + p.read_bytes() for p in files)
+            + " ".join(flags).encode()
+            + torch.__version__.encode()
+        )
         build = cache_root() / "torch_extensions" / f"cpu_ops-{target}-{hashlib.sha256(key).hexdigest()[:12]}"
         build.mkdir(parents=True, exist_ok=True)
-        mod = load(name="orbital_cpu_ops", sources=[str(p) for p in files if p.suffix == ".cpp"],
-                   build_directory=str(build), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        mod = load(
+            name="orbital_cpu_ops",
+            sources=[str(p) for p in files if p.suffix == ".cpp"],
+            build_directory=str(build),
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
         if mod.isa() != target:
             raise RuntimeError(f"built for {target} but the module reports {mod.isa()}")
         return mod

@@ -5,6 +5,7 @@ Row-parallel: each rank owns a slice of the input features; partial sums are all
 and the bias is added on rank 0 only so it is counted once.
 Each parameter carries a `weight_loader` that slices the full checkpoint tensor for its rank.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -33,7 +34,9 @@ class ColumnParallelLinear(nn.Module):
         self.tp_size, self.tp_rank = tp.size, tp.rank
         self.input_size = input_size
         self.output_size_per_partition = _divide(output_size, tp.size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size, dtype=dtype), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=dtype), requires_grad=False)
@@ -56,8 +59,9 @@ class ColumnParallelLinear(nn.Module):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs in one matmul (e.g. gate and up projections)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, dtype: torch.dtype | None = None
+    ) -> None:
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, dtype)
 
@@ -73,8 +77,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection sharded per head. With fewer KV heads than ranks, each KV head
     is replicated on tp/num_kv_heads ranks (tp must be a multiple of num_kv_heads)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         tp = get_tp_group()
         self.head_dim = head_dim
         self.total_num_heads, self.total_num_kv_heads = num_heads, num_kv_heads
@@ -111,7 +122,9 @@ class RowParallelLinear(nn.Module):
         tp = get_tp_group()
         self.tp_size, self.tp_rank = tp.size, tp.rank
         self.input_size_per_partition = _divide(input_size, tp.size, "input features")
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=dtype), requires_grad=False
+        )
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
@@ -129,4 +142,3 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         return tp_all_reduce(linear(x, self.weight, bias))
-

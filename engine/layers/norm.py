@@ -1,4 +1,5 @@
 """RMSNorm with an optional fused residual add (returns the new residual too)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,8 +21,9 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With a residual, both inputs are consumed (the CPU op writes the sum into `residual`
         and the normalised rows into `x`, one pass instead of ~8)."""
         ops = cpu_ops_for(x)

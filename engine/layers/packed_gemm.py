@@ -17,6 +17,7 @@ float32, 44 ms against 22 ms for the C++ `small_linear` op reading the plain wei
 its plain tensor too (`.plain`; twice the weight memory, none for a tied LM head, whose plain
 weight is the embedding) and rows <= SMALL_ROWS go through it. ORBITAL_SMALL_LINEAR=0 turns it off.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Rotary position embedding (neox / HF "rotate_half" layout) with default, linear and
 llama3 frequency scaling, cached as cos/sin tables indexed by absolute position."""
+
 from __future__ import annotations
 
 import math

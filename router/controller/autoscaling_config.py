@@ -15,6 +15,7 @@ or the same mapping inline; `build_app` calls `autoscaled(cfg, options)` which s
 `num_replicas` for an `AutoscalingConfig` running `router.controller.autoscaling_policy:OrbitalPolicy`,
 sets the drain budget (graceful shutdown) and the spread of replicas over nodes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,45 +46,74 @@ class Targets(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ongoing_requests_per_replica: float = Field(
-        8.0, gt=0, description="Requests (queued + running) one replica should hold; more -> add replicas.")
+        8.0, gt=0, description="Requests (queued + running) one replica should hold; more -> add replicas."
+    )
     kv_cache_usage: float | None = Field(
-        None, gt=0, le=1, description="Mean KV cache usage (0..1] to hold; above it -> add replicas. None = off.")
+        None, gt=0, le=1, description="Mean KV cache usage (0..1] to hold; above it -> add replicas. None = off."
+    )
     queue_wait_s: float | None = Field(
-        None, gt=0, description="Longest wait before a request is first scheduled, seconds. None = off.")
+        None, gt=0, description="Longest wait before a request is first scheduled, seconds. None = off."
+    )
     ttft_slo_s: float | None = Field(
-        None, gt=0, description="Time-to-first-token SLO, seconds (worst replica, recent requests). None = off.")
+        None, gt=0, description="Time-to-first-token SLO, seconds (worst replica, recent requests). None = off."
+    )
     max_step: float = Field(
-        2.0, ge=1, description="A latency/KV signal asks for at most this many times the current replicas at once.")
+        2.0, ge=1, description="A latency/KV signal asks for at most this many times the current replicas at once."
+    )
 
 
 class Placement(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_replicas_per_node: int | None = Field(
-        None, ge=1, le=100, description="Replicas of this pool on one node at most (spread). None = no limit. "
+        None,
+        ge=1,
+        le=100,
+        description="Replicas of this pool on one node at most (spread). None = no limit. "
         "Every node that may host the pool must advertise `spread_resource: 1` (the cluster YAMLs do); "
-        "when no node in the running cluster has it, the limit is ignored with a warning.")
+        "when no node in the running cluster has it, the limit is ignored with a warning.",
+    )
     spread_resource: str = Field(
-        "orbital_node", min_length=1, description="Custom node resource (1 per node) that enforces the spread: "
-        "each replica's first bundle takes 1/max_replicas_per_node of it.")
+        "orbital_node",
+        min_length=1,
+        description="Custom node resource (1 per node) that enforces the spread: "
+        "each replica's first bundle takes 1/max_replicas_per_node of it.",
+    )
 
 
 class PoolPolicy(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    min_replicas: int = Field(1, ge=1, description="Replicas kept at all times (>= 1: the router's health "
-                              "check and a cold model load rule out scale-to-zero).")
-    max_replicas: int = Field(1, ge=1, description="Replicas at most; past what the nodes hold, Ray's cluster "
-                              "autoscaler adds nodes from the `ray up` node types.")
+    min_replicas: int = Field(
+        1,
+        ge=1,
+        description="Replicas kept at all times (>= 1: the router's health "
+        "check and a cold model load rule out scale-to-zero).",
+    )
+    max_replicas: int = Field(
+        1,
+        ge=1,
+        description="Replicas at most; past what the nodes hold, Ray's cluster "
+        "autoscaler adds nodes from the `ray up` node types.",
+    )
     initial_replicas: int | None = Field(None, ge=1, description="Replicas at first deploy (default min_replicas).")
     targets: Targets = Field(default_factory=Targets, description="What one replica should carry.")
     upscale_delay_s: float = Field(30.0, ge=0, description="A wish for more replicas must hold this long.")
     downscale_delay_s: float = Field(300.0, ge=0, description="A wish for fewer replicas must hold this long.")
     look_back_period_s: float = Field(30.0, gt=0, description="Window the replicas' stats are averaged over.")
-    metrics_interval_s: float = Field(2.0, gt=0, le=60, description="How often replicas and callers push their "
-                                      "stats to the Serve controller (Serve's default is 10 s).")
-    drain_timeout_s: float = Field(600.0, gt=0, description="A replica being removed stops taking requests and "
-                                   "finishes its running ones for at most this long (Serve's graceful shutdown).")
+    metrics_interval_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="How often replicas and callers push their "
+        "stats to the Serve controller (Serve's default is 10 s).",
+    )
+    drain_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A replica being removed stops taking requests and "
+        "finishes its running ones for at most this long (Serve's graceful shutdown).",
+    )
     placement: Placement = Field(default_factory=Placement, description="Where the pool's replicas go.")
 
     @model_validator(mode="after")
@@ -91,11 +121,15 @@ class PoolPolicy(BaseModel):
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
         if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must be > metrics_interval_s "
-                             f"({self.metrics_interval_s}): the window must hold several stats points")
+            raise ValueError(
+                f"look_back_period_s ({self.look_back_period_s}) must be > metrics_interval_s "
+                f"({self.metrics_interval_s}): the window must hold several stats points"
+            )
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
-            raise ValueError(f"initial_replicas ({self.initial_replicas}) must lie in "
-                             f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
+            raise ValueError(
+                f"initial_replicas ({self.initial_replicas}) must lie in "
+                f"[min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]"
+            )
         return self
 
 
@@ -118,7 +152,9 @@ def _format(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        got = f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
+        got = (
+            f" (got {e['input']!r})" if e["type"] != "extra_forbidden" and not isinstance(e.get("input"), dict) else ""
+        )
         msg = "unknown field (typo?)" if e["type"] == "extra_forbidden" else e["msg"]
         lines.append(f"  {where}: {msg}{got}")
     return f"{source}: invalid autoscaling config:\n" + "\n".join(lines)
@@ -142,7 +178,9 @@ def resolve_path(path: str | os.PathLike) -> Path:
         return p
     if not p.is_absolute() and (PROJECT_ROOT / p).exists():
         return PROJECT_ROOT / p
-    raise AutoscalingConfigError(f"autoscaling file {str(path)!r} not found (cwd {os.getcwd()}, project {PROJECT_ROOT})")
+    raise AutoscalingConfigError(
+        f"autoscaling file {str(path)!r} not found (cwd {os.getcwd()}, project {PROJECT_ROOT})"
+    )
 
 
 def load_autoscaling(source: str | os.PathLike | dict | AutoscalingFile) -> AutoscalingFile:
@@ -168,14 +206,24 @@ def serve_autoscaling_config(pool: PoolPolicy) -> AutoscalingConfig:
         # successors are not read yet); it warns that it is deprecated.
         warnings.simplefilter("ignore", DeprecationWarning)
         return AutoscalingConfig(
-            min_replicas=pool.min_replicas, max_replicas=pool.max_replicas, initial_replicas=pool.initial_replicas,
+            min_replicas=pool.min_replicas,
+            max_replicas=pool.max_replicas,
+            initial_replicas=pool.initial_replicas,
             target_ongoing_requests=t.ongoing_requests_per_replica,
-            upscale_delay_s=pool.upscale_delay_s, downscale_delay_s=pool.downscale_delay_s,
-            metrics_interval_s=pool.metrics_interval_s, look_back_period_s=pool.look_back_period_s,
-            policy=AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs={
-                "target_ongoing_requests": t.ongoing_requests_per_replica,
-                "target_kv_cache_usage": t.kv_cache_usage, "target_queue_wait_s": t.queue_wait_s,
-                "ttft_slo_s": t.ttft_slo_s, "max_step": t.max_step}),
+            upscale_delay_s=pool.upscale_delay_s,
+            downscale_delay_s=pool.downscale_delay_s,
+            metrics_interval_s=pool.metrics_interval_s,
+            look_back_period_s=pool.look_back_period_s,
+            policy=AutoscalingPolicy(
+                policy_function=POLICY_PATH,
+                policy_kwargs={
+                    "target_ongoing_requests": t.ongoing_requests_per_replica,
+                    "target_kv_cache_usage": t.kv_cache_usage,
+                    "target_queue_wait_s": t.queue_wait_s,
+                    "ttft_slo_s": t.ttft_slo_s,
+                    "max_step": t.max_step,
+                },
+            ),
         )
 
 
@@ -201,9 +249,13 @@ def pool_deployment_options(pool: PoolPolicy, options: dict) -> dict:
     opts["graceful_shutdown_wait_loop_s"] = 0.5
     pl = pool.placement
     if pl.max_replicas_per_node is not None and _resource_missing(pl.spread_resource):
-        log.warning("placement.max_replicas_per_node=%d ignored: no node advertises the %r resource (give "
-                    "every node `%s: 1`, as cluster/*.yaml do); replicas are not spread",
-                    pl.max_replicas_per_node, pl.spread_resource, pl.spread_resource)
+        log.warning(
+            "placement.max_replicas_per_node=%d ignored: no node advertises the %r resource (give "
+            "every node `%s: 1`, as cluster/*.yaml do); replicas are not spread",
+            pl.max_replicas_per_node,
+            pl.spread_resource,
+            pl.spread_resource,
+        )
     elif pl.max_replicas_per_node is not None:
         bundles = [dict(b) for b in opts.get("placement_group_bundles") or [{"CPU": 0.0}]]
         bundles[0][pl.spread_resource] = spread_share(pl.max_replicas_per_node)

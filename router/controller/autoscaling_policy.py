@@ -20,6 +20,7 @@ for fewer replicas, an idle one reports 0 and leaves the decision to the other s
 latency signal asks for at most `max_step` times the current replicas per decision, so one
 slow outlier does not jump the pool to `max_replicas`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,10 +37,17 @@ def _values(metrics: dict, name: str) -> list[float]:
     return [float(v) for v in (metrics.get(name) or {}).values() if v is not None]
 
 
-def desired_replicas(n: int, total_requests: float, metrics: dict[str, dict[Any, float]], *,
-                     target_ongoing_requests: float, target_kv_cache_usage: float | None = None,
-                     target_queue_wait_s: float | None = None, ttft_slo_s: float | None = None,
-                     max_step: float = 2.0) -> tuple[float, dict[str, float]]:
+def desired_replicas(
+    n: int,
+    total_requests: float,
+    metrics: dict[str, dict[Any, float]],
+    *,
+    target_ongoing_requests: float,
+    target_kv_cache_usage: float | None = None,
+    target_queue_wait_s: float | None = None,
+    ttft_slo_s: float | None = None,
+    max_step: float = 2.0,
+) -> tuple[float, dict[str, float]]:
     """(replicas wanted, per-signal wishes). Pure: the policy class and the unit tests use it."""
     in_flight = sum(_values(metrics, "in_flight"))
     ongoing = max(float(total_requests or 0.0), in_flight)
@@ -63,14 +71,23 @@ def desired_replicas(n: int, total_requests: float, metrics: dict[str, dict[Any,
 class OrbitalPolicy:
     """Serve instantiates it once per deployment with `policy_kwargs`, then calls it per tick."""
 
-    def __init__(self, target_ongoing_requests: float = 8.0, target_kv_cache_usage: float | None = None,
-                 target_queue_wait_s: float | None = None, ttft_slo_s: float | None = None,
-                 max_step: float = 2.0) -> None:
+    def __init__(
+        self,
+        target_ongoing_requests: float = 8.0,
+        target_kv_cache_usage: float | None = None,
+        target_queue_wait_s: float | None = None,
+        ttft_slo_s: float | None = None,
+        max_step: float = 2.0,
+    ) -> None:
         if target_ongoing_requests <= 0:
             raise ValueError(f"target_ongoing_requests must be > 0, got {target_ongoing_requests}")
-        self.kwargs = dict(target_ongoing_requests=target_ongoing_requests,
-                           target_kv_cache_usage=target_kv_cache_usage,
-                           target_queue_wait_s=target_queue_wait_s, ttft_slo_s=ttft_slo_s, max_step=max_step)
+        self.kwargs = dict(
+            target_ongoing_requests=target_ongoing_requests,
+            target_kv_cache_usage=target_kv_cache_usage,
+            target_queue_wait_s=target_queue_wait_s,
+            ttft_slo_s=ttft_slo_s,
+            max_step=max_step,
+        )
         self._last_log = 0.0
 
     def __call__(self, ctx) -> tuple[float, dict[str, Any]]:
@@ -78,12 +95,16 @@ class OrbitalPolicy:
         state = dict(ctx.policy_state or {})
         if n == 0:  # Serve's cold-start path covers 0 -> 1 when requests are queued
             return ctx.target_num_replicas, state
-        want, signals = desired_replicas(n, ctx.total_num_requests, ctx.aggregated_metrics or {},
-                                         **self.kwargs)
+        want, signals = desired_replicas(n, ctx.total_num_requests, ctx.aggregated_metrics or {}, **self.kwargs)
         state["orbital_signals"] = signals
         now = time.monotonic()
         if math.ceil(want - 1e-9) != n and now - self._last_log > LOG_EVERY_S:
             self._last_log = now
-            log.info("orbital autoscaling %s: %d running, wants %.2f (%s)", ctx.deployment_name, n, want,
-                     ", ".join(f"{k}={v:.2f}" for k, v in signals.items()))
+            log.info(
+                "orbital autoscaling %s: %d running, wants %.2f (%s)",
+                ctx.deployment_name,
+                n,
+                want,
+                ", ".join(f"{k}={v:.2f}" for k, v in signals.items()),
+            )
         return want, state

@@ -7,6 +7,7 @@ Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
 `generate` (TGI), `models`, `health`, `metrics`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +23,12 @@ from ray import serve
 
 from router.backpressure import IngressQueue
 from router.config import AppConfig
-from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.engine_client import EngineClient
-from router.metrics import render
+from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.openai_api import OpenAIServing
-from router.replica_choice.registry import known_replicas
 from router.ingress.tgi_api import TGIServing
+from router.metrics import render
+from router.replica_choice.registry import known_replicas
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -57,16 +58,37 @@ class Ingress:
         mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
         tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
         inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
-        self.client = EngineClient(engine, tokenizer, inputs, IngressQueue(cfg.max_queued_requests),
-                                   cfg.control_timeout_s, cfg.nonstream_batch_interval_s)
+        self.client = EngineClient(
+            engine,
+            tokenizer,
+            inputs,
+            IngressQueue(cfg.max_queued_requests),
+            cfg.control_timeout_s,
+            cfg.nonstream_batch_interval_s,
+        )
         self.openai = OpenAIServing(self.client, cfg.model_name, mc.max_model_len)
-        self.tgi = TGIServing(self.client, cfg.model_name, {
-            "model_id": cfg.model_name, "model_dtype": str(mc.dtype).removeprefix("torch."),
-            "model_device_type": cfg.device, "max_concurrent_requests": cfg.max_queued_requests,
-            "max_input_tokens": mc.max_model_len - 1, "max_total_tokens": mc.max_model_len,
-            "version": "0.1.0", "model_pipeline_tag": "text-generation", "router": "orbital",
-            "max_best_of": 1, "max_stop_sequences": 16, "validation_workers": 1,
-            "max_client_batch_size": 1, "model_sha": None, "sha": None, "docker_label": None})
+        self.tgi = TGIServing(
+            self.client,
+            cfg.model_name,
+            {
+                "model_id": cfg.model_name,
+                "model_dtype": str(mc.dtype).removeprefix("torch."),
+                "model_device_type": cfg.device,
+                "max_concurrent_requests": cfg.max_queued_requests,
+                "max_input_tokens": mc.max_model_len - 1,
+                "max_total_tokens": mc.max_model_len,
+                "version": "0.1.0",
+                "model_pipeline_tag": "text-generation",
+                "router": "orbital",
+                "max_best_of": 1,
+                "max_stop_sequences": 16,
+                "validation_workers": 1,
+                "max_client_batch_size": 1,
+                "model_sha": None,
+                "sha": None,
+                "docker_label": None,
+            },
+        )
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001
@@ -82,8 +104,7 @@ class Ingress:
         # Bytes, not str: compare_digest refuses non-ASCII str (a header may carry any byte).
         given = got[7:].strip().encode("utf-8", "surrogateescape")
         if not (got.startswith("Bearer ") and hmac.compare_digest(given, key.encode("utf-8"))):
-            raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).",
-                           code="invalid_api_key")
+            raise APIError(401, "Incorrect or missing API key (Authorization: Bearer <key>).", code="invalid_api_key")
 
     async def _body(self, request: Request) -> dict:
         self._auth(request)
@@ -124,9 +145,11 @@ class Ingress:
             first = await result.__anext__()  # errors before the first chunk keep their HTTP status
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))
-        return StreamingResponse(self._sse_stream(first, result, tgi),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self._sse_stream(first, result, tgi),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _sse_stream(self, first: dict, rest: AsyncIterator[dict], tgi: bool):
         try:
@@ -205,14 +228,19 @@ class Ingress:
                 return rid, await asyncio.wait_for(call, self.settings.control_timeout_s)
             except Exception as e:  # noqa: BLE001
                 return rid, e
+
         return list(await asyncio.gather(*(one(r) for r in ids)))
 
     async def health(self) -> dict:
         results = await self._fan_out("check_health")
         bad = [r for r, v in results if isinstance(v, BaseException)]
         ok = len(results) >= self.settings.num_replicas and not bad
-        return {"status": "ok" if ok else "unavailable", "replicas": len(results),
-                "expected_replicas": self.settings.num_replicas, "unhealthy": bad}
+        return {
+            "status": "ok" if ok else "unavailable",
+            "replicas": len(results),
+            "expected_replicas": self.settings.num_replicas,
+            "unhealthy": bad,
+        }
 
     async def replica_stats(self) -> list[dict]:
         return [v for _, v in await self._fan_out("stats") if isinstance(v, dict)]
@@ -249,6 +277,3 @@ class Ingress:
     def routed_counts(self) -> dict[str, int]:
         """Requests this router replica sent to each engine replica (tests, debugging)."""
         return dict(self.client.replica_counts)
-
-
-

@@ -12,6 +12,7 @@ those sequences (pinned to the replica that holds them) so their KV blocks are f
 When the caller stops reading (client gone, timeout, error), the ingress calls `abort` on the
 replica, which ends the request before its next step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,15 @@ def new_request_id(prefix: str) -> str:
 class EngineClient:
     """Runs requests on the engine deployment through a DeploymentHandle."""
 
-    def __init__(self, handle: DeploymentHandle, tokenizer: PreTrainedTokenizerBase, inputs: InputProcessor, queue: IngressQueue,
-                 control_timeout_s: float = 10.0, nonstream_batch_interval_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        handle: DeploymentHandle,
+        tokenizer: PreTrainedTokenizerBase,
+        inputs: InputProcessor,
+        queue: IngressQueue,
+        control_timeout_s: float = 10.0,
+        nonstream_batch_interval_s: float = 0.0,
+    ) -> None:
         self.handle = handle
         self.nonstream_batch_interval_s = nonstream_batch_interval_s
         self.queue = queue
@@ -67,9 +75,16 @@ class EngineClient:
         """The context-length check the engine would do, before anything is sent."""
         self.inputs.check_lengths(prompt_ids, params)
 
-    async def generate(self, request_id: str, prompt_text: str | None, prompt_ids: list[int],
-                       params: SamplingParams, arrival_wall: float | None = None,
-                       priority: int = 0, stream: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        request_id: str,
+        prompt_text: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_wall: float | None = None,
+        priority: int = 0,
+        stream: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one request. `stream=False`: the caller only wants the end, so the
         replica may hand over several steps at once (`nonstream_batch_interval_s`)."""
         self.queue.admit(request_id)  # OverloadedError (429) before any work
@@ -77,16 +92,23 @@ class EngineClient:
         added = done = False
         try:
             self.validate(prompt_ids, params)
-            self.outputs.add_request(request_id, prompt_text, prompt_ids, params,
-                                     child_request_ids(request_id, params.n))
+            self.outputs.add_request(
+                request_id, prompt_text, prompt_ids, params, child_request_ids(request_id, params.n)
+            )
             added = True
             # Registered before submitting: the channel may bring outputs before the reply.
             outputs = self._waiting[request_id] = asyncio.Queue()
             # Outside the caller's Serve request context, as every call below: Serve cancels a
             # request's calls when it is cancelled, and then `abort` must still get through.
-            msg = SubmitRequest(request_id, prompt_ids, params, self.channels.ingress_id,
-                                arrival_wall or time.time(), priority,
-                                0.0 if stream else self.nonstream_batch_interval_s)
+            msg = SubmitRequest(
+                request_id,
+                prompt_ids,
+                params,
+                self.channels.ingress_id,
+                arrival_wall or time.time(),
+                priority,
+                0.0 if stream else self.nonstream_batch_interval_s,
+            )
             submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
             replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
             self.channels.attach(replica, request_id)
@@ -148,8 +170,7 @@ class EngineClient:
 
     async def _control(self, method: str, arg: FinishSequences | AbortRequest, replica: str) -> None:
         try:
-            await asyncio.wait_for(getattr(self.handle, method).remote(arg, replica_id=replica),
-                                   self.control_timeout_s)
+            await asyncio.wait_for(getattr(self.handle, method).remote(arg, replica_id=replica), self.control_timeout_s)
         except Exception as e:  # noqa: BLE001 - the request ends anyway when its tokens run out
             log.warning("%s(%s) on replica %s failed: %s", method, arg, replica, e)
 

@@ -5,6 +5,7 @@ OpenAI routes (/v1/...): `{"error": {"message", "type", "param", "code"}}`, vali
 TGI routes (/, /generate, /generate_stream): `{"error": "...", "error_type": "validation" |
 "overloaded" | "generation" | ...}` with TGI's status codes (422 for validation).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,24 +27,55 @@ log = logging.getLogger(__name__)
 
 TGI_PATHS = ("/generate", "/generate_stream")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "service_unavailable", 504: "timeout"}
-_TGI_TYPES = {400: "validation", 401: "authentication", 404: "validation", 413: "validation", 415: "validation",
-              422: "validation", 429: "overloaded", 503: "overloaded", 504: "incomplete_generation"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+_TGI_TYPES = {
+    400: "validation",
+    401: "authentication",
+    404: "validation",
+    413: "validation",
+    415: "validation",
+    422: "validation",
+    429: "overloaded",
+    503: "overloaded",
+    504: "incomplete_generation",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
 
     def openai_body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else str(self.status)}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else str(self.status),
+            }
+        }
 
     def tgi_body(self) -> dict[str, Any]:
         return {"error": self.message, "error_type": _TGI_TYPES.get(self.status, "generation")}
@@ -77,8 +109,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, OverloadedError):
-        return APIError(429, str(exc), code="rate_limit_exceeded",
-                        headers={"Retry-After": str(exc.retry_after)})
+        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):
@@ -108,7 +139,7 @@ def api_path(request: Request) -> str:
     """The route path without the app's route prefix (Serve's root_path)."""
     path, root = request.url.path, request.scope.get("root_path", "") or ""
     if root and path.startswith(root):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 

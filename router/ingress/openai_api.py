@@ -4,6 +4,7 @@
 iterator of chunk dicts; the HTTP layer adds SSE framing and `data: [DONE]`, the Python handle
 API hands the dicts out as they are.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,8 @@ from typing import AsyncIterator
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from router.ingress.errors import APIError
 from router.ingress.engine_client import EngineClient, new_request_id
+from router.ingress.errors import APIError
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.ingress.streams import collect, merge
@@ -24,22 +25,30 @@ def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs
     if req.logit_bias:
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     return SamplingParams(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
 
 
 def _usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
 def _check_errors(out: RequestOutput) -> None:
@@ -72,8 +81,10 @@ class OpenAIServing:
         params = _sampling(req, req.max_tokens, req.logprobs, prompt_lp)
         prompts = self._prompts(req.prompt)
         rid, arrival = new_request_id("cmpl"), time.time()
-        streams = [self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
-                   for i, (text, ids) in enumerate(prompts)]
+        streams = [
+            self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
+            for i, (text, ids) in enumerate(prompts)
+        ]
         if req.stream:
             return self._stream_completions(req, rid, prompts, streams, params.n)
         outs = await collect(streams)
@@ -84,12 +95,30 @@ class OpenAIServing:
             for c in out.outputs:
                 lp = None
                 if req.logprobs is not None:
-                    lp = completion_logprobs(c.logprobs or [], out.prompt_logprobs if req.echo else None,
-                                             out.prompt_token_ids, self.client.token_text, 0)
-                choices.append({"index": i * params.n + c.index, "text": echo + c.text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": rid, "object": "text_completion", "created": int(arrival), "model": self.model_name,
-                "choices": choices, "usage": _usage(sum(len(ids) for _, ids in prompts), outs)}
+                    lp = completion_logprobs(
+                        c.logprobs or [],
+                        out.prompt_logprobs if req.echo else None,
+                        out.prompt_token_ids,
+                        self.client.token_text,
+                        0,
+                    )
+                choices.append(
+                    {
+                        "index": i * params.n + c.index,
+                        "text": echo + c.text,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(arrival),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(sum(len(ids) for _, ids in prompts), outs),
+        }
 
     def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, list) and not prompt:
@@ -102,8 +131,9 @@ class OpenAIServing:
             return out.prompt
         return self.client.tokenizer.decode(out.prompt_token_ids)
 
-    async def _stream_completions(self, req: CompletionRequest, rid: str, prompts, streams, n: int
-                                  ) -> AsyncIterator[dict]:
+    async def _stream_completions(
+        self, req: CompletionRequest, rid: str, prompts, streams, n: int
+    ) -> AsyncIterator[dict]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}  # choice index -> characters sent (logprobs text_offset)
@@ -115,15 +145,27 @@ class OpenAIServing:
                     finals[i] = out
                 choices = self._completion_choices(req, out, i * n, offsets, done)
                 if choices:
-                    yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": choices}
+                    yield {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": choices,
+                    }
         if req.stream_options and req.stream_options.include_usage:
             usage = _usage(sum(len(ids) for _, ids in prompts), list(finals.values()))
-            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [], "usage": usage}
+            yield {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": [],
+                "usage": usage,
+            }
 
-    def _completion_choices(self, req: CompletionRequest, out: RequestOutput, base: int,
-                            offsets: dict[int, int], done: set[int]) -> list[dict]:
+    def _completion_choices(
+        self, req: CompletionRequest, out: RequestOutput, base: int, offsets: dict[int, int], done: set[int]
+    ) -> list[dict]:
         """Stream choices for one RequestOutput: only sequences with news (text, logprobs, end)."""
         choices = []
         for c in out.outputs:
@@ -137,13 +179,25 @@ class OpenAIServing:
                 continue
             lp = None
             if req.logprobs is not None:
-                lp = completion_logprobs(c.logprobs_delta or [], prompt_lps, out.prompt_token_ids,
-                                         self.client.token_text, offsets.get(idx, 0))
+                lp = completion_logprobs(
+                    c.logprobs_delta or [],
+                    prompt_lps,
+                    out.prompt_token_ids,
+                    self.client.token_text,
+                    offsets.get(idx, 0),
+                )
             offsets[idx] = offsets.get(idx, 0) + len(text)
             if c.finished:
                 done.add(idx)
-            choices.append({"index": idx, "text": text, "logprobs": lp,
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choices.append(
+                {
+                    "index": idx,
+                    "text": text,
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return choices
 
     # --- /v1/chat/completions ---------------------------------------------------------------
@@ -164,29 +218,47 @@ class OpenAIServing:
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         text, ids = self.client.inputs.tokenize_chat(
-            messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs)
+            messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs
+        )
         rid, arrival = new_request_id("chatcmpl"), time.time()
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
             return self._stream_chat(req, rid, len(ids), stream)
         (out,) = await collect([stream])
         _check_errors(out)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c.logprobs, self.client.token_text) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-        return {"id": rid, "object": "chat.completion", "created": int(arrival), "model": self.model_name,
-                "choices": choices, "usage": _usage(len(ids), [out])}
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs, self.client.token_text) if req.logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in out.outputs
+        ]
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(arrival),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": _usage(len(ids), [out]),
+        }
 
-    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, num_prompt: int, stream
-                           ) -> AsyncIterator[dict]:
+    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, num_prompt: int, stream) -> AsyncIterator[dict]:
         created = int(time.time())
         started: set[int] = set()
         done: set[int] = set()
         last = None
 
         def chunk(choices: list[dict]) -> dict:
-            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "choices": choices}
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
 
         async for out in _closing(stream):
             _check_errors(out)
@@ -207,13 +279,19 @@ class OpenAIServing:
                 lp = chat_logprobs(c.logprobs_delta or [], self.client.token_text) if req.logprobs else None
                 if c.finished:
                     done.add(c.index)
-                choices.append({"index": c.index, "delta": delta, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choices.append(
+                    {
+                        "index": c.index,
+                        "delta": delta,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
             if choices:
                 yield chunk(choices)
         if req.stream_options and req.stream_options.include_usage and last is not None:
             yield {**chunk([]), "usage": _usage(num_prompt, [last])}
-
 
 
 async def _closing(stream: AsyncIterator) -> AsyncIterator:

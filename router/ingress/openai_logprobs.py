@@ -1,4 +1,5 @@
 """Engine TokenLogprobs -> the OpenAI logprobs shapes (legacy completions, and chat)."""
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,13 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI clients expect numbers
 
 
-def completion_logprobs(lps: list[TokenLogprob], prompt_lps: list[TokenLogprob | None] | None,
-                        prompt_ids: list[int], token_str: Callable[[int], str], offset: int) -> dict:
+def completion_logprobs(
+    lps: list[TokenLogprob],
+    prompt_lps: list[TokenLogprob | None] | None,
+    prompt_ids: list[int],
+    token_str: Callable[[int], str],
+    offset: int,
+) -> dict:
     """`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`; with echo, the prompt's
     positions come first (the first prompt token has no logprob: null)."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -47,6 +53,5 @@ def chat_logprobs(lps: list[TokenLogprob] | None, token_str: Callable[[int], str
     for lp in lps or []:
         s = lp.decoded if lp.decoded is not None else token_str(lp.token_id)
         top_dec = lp.top_decoded or [token_str(t) for t, _ in lp.top]
-        content.append({**_entry(s, lp.logprob),
-                        "top_logprobs": [_entry(d, v) for (_, v), d in zip(lp.top, top_dec)]})
+        content.append({**_entry(s, lp.logprob), "top_logprobs": [_entry(d, v) for (_, v), d in zip(lp.top, top_dec)]})
     return {"content": content}

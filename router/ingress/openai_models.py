@@ -4,6 +4,7 @@ Requests accept the OpenAI fields plus the usual vLLM extensions (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...). Unknown fields are ignored,
 as OpenAI-compatible servers do. Streaming chunks are built as plain dicts in openai_api.py.
 """
+
 from __future__ import annotations
 
 import time
@@ -49,7 +50,8 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        ..., description="A string, a list of strings, token ids, or a list of token-id lists.")
+        ..., description="A string, a list of strings, token ids, or a list of token-id lists."
+    )
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="Top logprobs per token (0-20).")
     echo: bool = False

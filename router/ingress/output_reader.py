@@ -6,6 +6,7 @@ attached, and reopened while requests remain when the replica ended it; the repl
 once this ingress has nothing left there, so an idle ingress holds no call open (Serve's graceful
 drain on scale-down waits for open calls).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,12 @@ class LostRequestsError(RuntimeError):
 
 
 class OutputReader:
-    def __init__(self, stream_handle: DeploymentHandle, on_batch: Callable[[str, StepOutputs], None],
-                 on_error: Callable[[str, list[str], BaseException], None]) -> None:
+    def __init__(
+        self,
+        stream_handle: DeploymentHandle,
+        on_batch: Callable[[str, StepOutputs], None],
+        on_error: Callable[[str, list[str], BaseException], None],
+    ) -> None:
         self.stream_handle = stream_handle
         self.ingress_id = f"ingress-{uuid.uuid4().hex}"
         self.on_batch, self.on_error = on_batch, on_error
@@ -41,7 +46,8 @@ class OutputReader:
             # A fresh context: Serve cancels the calls a request made when that request is
             # cancelled (client gone); the channel serves every request, not the one opening it.
             self._tasks[replica] = asyncio.get_running_loop().create_task(
-                self._run(replica), context=contextvars.Context())
+                self._run(replica), context=contextvars.Context()
+            )
 
     def detach(self, replica: str, request_id: str) -> None:
         ids = self.active.get(replica)

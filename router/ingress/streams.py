@@ -1,4 +1,5 @@
 """Helpers over async iterators of RequestOutput: run several to completion, or interleave them."""
+
 from __future__ import annotations
 
 import asyncio

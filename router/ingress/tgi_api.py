@@ -4,6 +4,7 @@ token, the last one with `generated_text` and `details`), / (either, by `stream`
 As in TGI, a stop sequence stays in `generated_text`, `do_sample=false` means greedy unless a
 sampling parameter is set, and every token carries its logprob.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,8 @@ from typing import AsyncIterator
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
-from router.ingress.errors import APIError
 from router.ingress.engine_client import EngineClient, new_request_id
+from router.ingress.errors import APIError
 from router.ingress.streams import collect
 from router.ingress.tgi_models import Details, GenerateParameters, GenerateRequest, StreamDetails, StreamResponse, Token
 
@@ -28,14 +29,27 @@ def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParam
         raise InvalidRequestError("`temperature` must be strictly positive", param="temperature")
     if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= 20:
         raise InvalidRequestError("`top_n_tokens` must be in [0, 20]", param="top_n_tokens")
-    sample = (p.do_sample or (p.temperature not in (None, 1.0)) or bool(p.top_k)
-              or (p.top_p not in (None, 1.0)) or (p.typical_p not in (None, 1.0)))
+    sample = (
+        p.do_sample
+        or (p.temperature not in (None, 1.0))
+        or bool(p.top_k)
+        or (p.top_p not in (None, 1.0))
+        or (p.typical_p not in (None, 1.0))
+    )
     logprobs = p.top_n_tokens or 0 if (want_logprobs or p.top_n_tokens) else None
     return SamplingParams(
-        temperature=(p.temperature or 1.0) if sample else 0.0, top_p=p.top_p or 1.0, top_k=p.top_k or 0,
-        repetition_penalty=p.repetition_penalty or 1.0, frequency_penalty=p.frequency_penalty or 0.0,
-        seed=p.seed, max_tokens=p.max_new_tokens, stop=list(p.stop), include_stop_str_in_output=True,
-        logprobs=logprobs, prompt_logprobs=0 if p.decoder_input_details else None)
+        temperature=(p.temperature or 1.0) if sample else 0.0,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k or 0,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        seed=p.seed,
+        max_tokens=p.max_new_tokens,
+        stop=list(p.stop),
+        include_stop_str_in_output=True,
+        logprobs=logprobs,
+        prompt_logprobs=0 if p.decoder_input_details else None,
+    )
 
 
 def finish_reason(c: CompletionOutput) -> str:
@@ -81,14 +95,20 @@ class TGIServing:
             prefill = []
             if req.parameters.decoder_input_details:
                 plps = out.prompt_logprobs or []
-                prefill = [self._token(t, plps[i].logprob if i < len(plps) and plps[i] else None)
-                           for i, t in enumerate(ids)]
+                prefill = [
+                    self._token(t, plps[i].logprob if i < len(plps) and plps[i] else None) for i, t in enumerate(ids)
+                ]
             top = None
             if req.parameters.top_n_tokens:
                 top = [[self._token(t, v) for t, v in lp.top] for lp in lps]
-            resp["details"] = Details(finish_reason=finish_reason(c), generated_tokens=len(c.token_ids),
-                                      seed=req.parameters.seed, prefill=prefill, tokens=tokens,
-                                      top_tokens=top).model_dump()
+            resp["details"] = Details(
+                finish_reason=finish_reason(c),
+                generated_tokens=len(c.token_ids),
+                seed=req.parameters.seed,
+                prefill=prefill,
+                tokens=tokens,
+                top_tokens=top,
+            ).model_dump()
         return resp
 
     async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
@@ -105,20 +125,41 @@ class TGIServing:
                 new, lps = c.token_ids_delta or [], c.logprobs_delta or []
                 for k, tid in enumerate(new):
                     last = k == len(new) - 1  # the step's text goes with its last token
-                    yield self._event(req, ids, c, index, tid, lps[k] if k < len(lps) else None,
-                                      c.text_delta if last else "", c.finished and last)
+                    yield self._event(
+                        req,
+                        ids,
+                        c,
+                        index,
+                        tid,
+                        lps[k] if k < len(lps) else None,
+                        c.text_delta if last else "",
+                        c.finished and last,
+                    )
                     index, last_tid = index + 1, tid
                 if c.finished and not new:  # ended without a new token (flush after a stop)
                     yield self._event(req, ids, c, index, last_tid, None, c.text_delta, True)
 
-    def _event(self, req: GenerateRequest, ids: list[int], c: CompletionOutput, index: int, tid: int, lp,
-               text: str, final: bool) -> dict:
+    def _event(
+        self,
+        req: GenerateRequest,
+        ids: list[int],
+        c: CompletionOutput,
+        index: int,
+        tid: int,
+        lp,
+        text: str,
+        final: bool,
+    ) -> dict:
         ev = StreamResponse(index=index, token=self._token(tid, lp.logprob if lp is not None else None, text))
         if req.parameters.top_n_tokens and lp is not None:
             ev.top_tokens = [self._token(t, v) for t, v in lp.top]
         if final:
             full = c.text
             ev.generated_text = (req.inputs + full) if req.parameters.return_full_text else full
-            ev.details = StreamDetails(finish_reason=finish_reason(c), generated_tokens=len(c.token_ids),
-                                       input_length=len(ids), seed=req.parameters.seed)
+            ev.details = StreamDetails(
+                finish_reason=finish_reason(c),
+                generated_tokens=len(c.token_ids),
+                input_length=len(ids),
+                seed=req.parameters.seed,
+            )
         return ev.model_dump()

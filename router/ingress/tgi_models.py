@@ -3,6 +3,7 @@
 Field names and defaults follow text-generation-inference, which is what
 `huggingface_hub.InferenceClient(base_url).text_generation(...)` sends and parses.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -16,6 +16,7 @@ mean of each figure over the look-back window, per replica. All figures are floa
                     queue raises it before any first token arrives).
 Idle replicas report 0 for the latency figures.
 """
+
 from __future__ import annotations
 
 import time

@@ -14,6 +14,7 @@ Every method takes an optional `replica_id`: the ingress pins calls to one repli
 `router/replica_choice/`); the replica itself ignores it. Load figures come from the engine's
 stats snapshot (published after each step), never from the scheduler's live structures.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,13 +30,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from ray import serve
 
 from engine.async_engine import AsyncEngine
-from engine.errors import EngineDeadError, InvalidRequestError
 from engine.engine_args import EngineArgs
+from engine.errors import EngineDeadError, InvalidRequestError
 from engine.request import child_request_ids, parent_request_id
-from router.replica.autoscaling_stats import AutoscalingStats
 from router.backpressure import ReplicaQueue
 from router.messages import AbortRequest, FinishSequences, SubmitRequest
 from router.metrics import COUNTERS, new_histograms
+from router.replica.autoscaling_stats import AutoscalingStats
 from router.replica.outbox import Outbox
 from workers.executor_factory import make_executor
 
@@ -45,8 +46,19 @@ log = logging.getLogger(__name__)
 class _Job:
     """One request running here: its ingress's outbox, its pump task, times for the metrics."""
 
-    __slots__ = ("request_id", "children", "ingress_id", "box", "task", "arrival_wall", "arrival_mono",
-                 "first_token", "last_token", "children_done", "stopped")
+    __slots__ = (
+        "request_id",
+        "children",
+        "ingress_id",
+        "box",
+        "task",
+        "arrival_wall",
+        "arrival_mono",
+        "first_token",
+        "last_token",
+        "children_done",
+        "stopped",
+    )
 
     def __init__(self, request_id: str, n: int, arrival_wall: float, ingress_id: str, box: Outbox) -> None:
         self.request_id, self.ingress_id, self.box, self.task = request_id, ingress_id, box, None
@@ -93,8 +105,9 @@ class EngineReplica:
         self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
         self._jobs[rid] = job
         box.active.add(rid)
-        stream = self.engine.generate_tokens(rid, msg.prompt_token_ids, msg.params, msg.priority,
-                                             arrival_time=job.arrival_mono)
+        stream = self.engine.generate_tokens(
+            rid, msg.prompt_token_ids, msg.params, msg.priority, arrival_time=job.arrival_mono
+        )
         job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, msg.batch_interval_s))
         return self.replica_id
 
@@ -215,8 +228,13 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """Load figures for replica choice (Serve polls this), from the engine's last snapshot."""
         snap = self.engine.snapshot
-        return {"num_running": snap.num_running, "num_waiting": snap.num_waiting,
-                "kv_usage": snap.kv_usage, "queued": len(self.queue.queued), "in_flight": self.queue.in_flight}
+        return {
+            "num_running": snap.num_running,
+            "num_waiting": snap.num_waiting,
+            "kv_usage": snap.kv_usage,
+            "queued": len(self.queue.queued),
+            "in_flight": self.queue.in_flight,
+        }
 
     def record_autoscaling_stats(self) -> dict:
         """Load figures for the autoscaling policy (Serve polls this when autoscaling is on)."""

@@ -11,6 +11,7 @@ A channel ends once its router has no request left on the replica and every outp
 Serve's graceful drain (it waits for ongoing calls) completes on scale-down; the router opens a
 new one with its next request there.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -16,6 +16,7 @@ The cache-aware (prefix-hash) policy will replace the ranking; pinning stays.
 `registry.known_replicas(app, deployment)` lists the replicas a router in this process knows,
 so the ingress can fan out stats and health checks; `local_load` counts its running requests.
 """
+
 from __future__ import annotations
 
 import random
@@ -44,8 +45,9 @@ class LeastLoadedChoice(FIFOMixin, RequestRouter):
         registry.register(did.app_name, did.name, self)
         super().update_replicas(replicas)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         target = pending_request.kwargs.get("replica_id") if pending_request is not None else None
         if target:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
@@ -56,11 +58,11 @@ class LeastLoadedChoice(FIFOMixin, RequestRouter):
             calls, running = cache.get(r.replica_id), local.get(r.replica_id.unique_id)
             return None if calls is None and running is None else (calls or 0) + (running or 0)
 
-        scored = sorted(candidate_replicas,
-                        key=lambda r: (replica_load(inflight(r), r.routing_stats or {}), random.random()))
+        scored = sorted(
+            candidate_replicas, key=lambda r: (replica_load(inflight(r), r.routing_stats or {}), random.random())
+        )
         return [[r] for r in scored]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
         if pending_request.metadata.call_method == "submit" and pending_request.args:
             local_load_module.local_load.routed(pending_request.args[0].request_id, replica_id.unique_id)
-

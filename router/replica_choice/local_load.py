@@ -1,4 +1,5 @@
 """Requests this process (an ingress replica) runs on each engine replica."""
+
 from __future__ import annotations
 
 import threading

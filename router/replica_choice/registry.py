@@ -1,5 +1,6 @@
 """The replica-choice instances of this process, by (app, deployment): the ingress lists the
 engine replicas it knows through them (stats and health fan-out)."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """Shared by the cluster tests: an SSE completions client, Serve replica-state polling, ports."""
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,20 @@ def completion_body(prompt: str | list[int], max_tokens: int, stream: bool) -> d
 async def stream_completion(client: httpx.AsyncClient, url: str, prompt: str | list[int], max_tokens: int) -> dict:
     """One streamed /v1/completions call: text, finish_reason, usage, whether [DONE] came, errors,
     and start / first chunk / end times (monotonic)."""
-    out = {"text": "", "finish_reason": None, "usage": None, "done": False, "error": None,
-           "status": None, "t_start": time.monotonic(), "t_first": None, "t_end": None, "chunks": 0}
+    out = {
+        "text": "",
+        "finish_reason": None,
+        "usage": None,
+        "done": False,
+        "error": None,
+        "status": None,
+        "t_start": time.monotonic(),
+        "t_first": None,
+        "t_end": None,
+        "chunks": 0,
+    }
     try:
-        async with client.stream("POST", f"{url}/v1/completions",
-                                 json=completion_body(prompt, max_tokens, True)) as r:
+        async with client.stream("POST", f"{url}/v1/completions", json=completion_body(prompt, max_tokens, True)) as r:
             out["status"] = r.status_code
             if r.status_code != 200:
                 out["error"] = (await r.aread()).decode(errors="replace")
@@ -66,6 +76,11 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: str | l
 
 def complete(result: dict, max_tokens: int) -> bool:
     """The stream carried its full output: every token, a `length` finish, [DONE], no error."""
-    return (result["status"] == 200 and result["error"] is None and result["done"]
-            and result["finish_reason"] == "length" and result["usage"] is not None
-            and result["usage"]["completion_tokens"] == max_tokens)
+    return (
+        result["status"] == 200
+        and result["error"] is None
+        and result["done"]
+        and result["finish_reason"] == "length"
+        and result["usage"] is not None
+        and result["usage"]["completion_tokens"] == max_tokens
+    )

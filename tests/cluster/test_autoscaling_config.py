@@ -1,5 +1,6 @@
 """deploy/autoscaling.yaml: schema, loader errors naming the bad field, translation into Serve's
 AutoscalingConfig and deployment options, and the policy's arithmetic."""
+
 from __future__ import annotations
 
 import copy
@@ -8,8 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.controller.autoscaling_config import (AutoscalingConfigError, autoscaled, load_autoscaling,
-                                       pool_deployment_options, serve_autoscaling_config, spread_share)
+from router.controller.autoscaling_config import (
+    AutoscalingConfigError,
+    autoscaled,
+    load_autoscaling,
+    pool_deployment_options,
+    serve_autoscaling_config,
+    spread_share,
+)
 from router.controller.autoscaling_policy import OrbitalPolicy, desired_replicas
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,36 +42,42 @@ def with_engine(**changes) -> dict:
     return raw
 
 
-@pytest.mark.parametrize("changes,field", [
-    ({"min_replicas": 0}, "pools.engine.min_replicas"),
-    ({"max_replicas": -1}, "pools.engine.max_replicas"),
-    ({"max_replicas": "many"}, "pools.engine.max_replicas"),
-    ({"initial_replicas": 0}, "pools.engine.initial_replicas"),
-    ({"upscale_delay_s": -5}, "pools.engine.upscale_delay_s"),
-    ({"downscale_delay_s": -1}, "pools.engine.downscale_delay_s"),
-    ({"look_back_period_s": 0}, "pools.engine.look_back_period_s"),
-    ({"drain_timeout_s": 0}, "pools.engine.drain_timeout_s"),
-    ({"metrics_interval_s": 0}, "pools.engine.metrics_interval_s"),
-    ({"targets__ongoing_requests_per_replica": 0}, "pools.engine.targets.ongoing_requests_per_replica"),
-    ({"targets__kv_cache_usage": 1.5}, "pools.engine.targets.kv_cache_usage"),
-    ({"targets__queue_wait_s": -1}, "pools.engine.targets.queue_wait_s"),
-    ({"targets__ttft_slo_s": 0}, "pools.engine.targets.ttft_slo_s"),
-    ({"targets__max_step": 0.5}, "pools.engine.targets.max_step"),
-    ({"placement__max_replicas_per_node": 0}, "pools.engine.placement.max_replicas_per_node"),
-    ({"targets__ttft_slo": 3}, "pools.engine.targets.ttft_slo"),        # typo'd key
-    ({"upscale_delay": 3}, "pools.engine.upscale_delay"),                # typo'd key
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"min_replicas": 0}, "pools.engine.min_replicas"),
+        ({"max_replicas": -1}, "pools.engine.max_replicas"),
+        ({"max_replicas": "many"}, "pools.engine.max_replicas"),
+        ({"initial_replicas": 0}, "pools.engine.initial_replicas"),
+        ({"upscale_delay_s": -5}, "pools.engine.upscale_delay_s"),
+        ({"downscale_delay_s": -1}, "pools.engine.downscale_delay_s"),
+        ({"look_back_period_s": 0}, "pools.engine.look_back_period_s"),
+        ({"drain_timeout_s": 0}, "pools.engine.drain_timeout_s"),
+        ({"metrics_interval_s": 0}, "pools.engine.metrics_interval_s"),
+        ({"targets__ongoing_requests_per_replica": 0}, "pools.engine.targets.ongoing_requests_per_replica"),
+        ({"targets__kv_cache_usage": 1.5}, "pools.engine.targets.kv_cache_usage"),
+        ({"targets__queue_wait_s": -1}, "pools.engine.targets.queue_wait_s"),
+        ({"targets__ttft_slo_s": 0}, "pools.engine.targets.ttft_slo_s"),
+        ({"targets__max_step": 0.5}, "pools.engine.targets.max_step"),
+        ({"placement__max_replicas_per_node": 0}, "pools.engine.placement.max_replicas_per_node"),
+        ({"targets__ttft_slo": 3}, "pools.engine.targets.ttft_slo"),  # typo'd key
+        ({"upscale_delay": 3}, "pools.engine.upscale_delay"),  # typo'd key
+    ],
+)
 def test_bad_field_is_named(changes, field):
     with pytest.raises(AutoscalingConfigError) as e:
         load_autoscaling(with_engine(**changes))
     assert f"{field}:" in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("changes,words", [
-    ({"min_replicas": 3, "max_replicas": 2}, ["max_replicas (2)", "min_replicas (3)"]),
-    ({"look_back_period_s": 2, "metrics_interval_s": 2}, ["look_back_period_s (2.0)", "metrics_interval_s (2.0)"]),
-    ({"initial_replicas": 9}, ["initial_replicas (9)"]),
-])
+@pytest.mark.parametrize(
+    "changes,words",
+    [
+        ({"min_replicas": 3, "max_replicas": 2}, ["max_replicas (2)", "min_replicas (3)"]),
+        ({"look_back_period_s": 2, "metrics_interval_s": 2}, ["look_back_period_s (2.0)", "metrics_interval_s (2.0)"]),
+        ({"initial_replicas": 9}, ["initial_replicas (9)"]),
+    ],
+)
 def test_cross_field_errors_name_the_fields(changes, words):
     with pytest.raises(AutoscalingConfigError) as e:
         load_autoscaling(with_engine(**changes))
@@ -92,8 +105,13 @@ def test_translation_to_serve():
     pool = load_autoscaling(RAW).pools["engine"]
     ac = serve_autoscaling_config(pool)
     assert isinstance(ac, AutoscalingConfig)
-    assert (ac.min_replicas, ac.max_replicas, ac.upscale_delay_s, ac.downscale_delay_s, ac.look_back_period_s) == \
-        (1, 8, 15.0, 180.0, 15.0)
+    assert (ac.min_replicas, ac.max_replicas, ac.upscale_delay_s, ac.downscale_delay_s, ac.look_back_period_s) == (
+        1,
+        8,
+        15.0,
+        180.0,
+        15.0,
+    )
     assert ac.policy.policy_function == "router.controller.autoscaling_policy:OrbitalPolicy"
     assert ac.policy.policy_kwargs["ttft_slo_s"] == 3.0 and ac.policy.policy_kwargs["target_ongoing_requests"] == 16
     # Serve can import and instantiate it the way its controller does
@@ -124,8 +142,10 @@ def test_deployment_options_and_app_config():
 @pytest.mark.parametrize("k", [1, 2, 3, 7, 100])
 def test_spread_share_fits_k_per_node(k):
     assert k * spread_share(k) <= 1.0 < (k + 1) * spread_share(k)
-    opts = pool_deployment_options(load_autoscaling(with_engine(placement__max_replicas_per_node=k)).pools["engine"],
-                                   {"placement_group_bundles": [{"CPU": 1}]})
+    opts = pool_deployment_options(
+        load_autoscaling(with_engine(placement__max_replicas_per_node=k)).pools["engine"],
+        {"placement_group_bundles": [{"CPU": 1}]},
+    )
     assert opts["placement_group_bundles"][0]["orbital_node"] == spread_share(k)
 
 
@@ -140,6 +160,7 @@ def test_cli_accepts_autoscaling():
 
 # --- the policy's arithmetic ----------------------------------------------------------------
 
+
 def M(**per_replica):  # metric name -> {replica: value}
     return {k: dict(enumerate(v)) for k, v in per_replica.items()}
 
@@ -153,8 +174,9 @@ def test_ongoing_signal_uses_larger_of_serve_and_replica_counts():
 
 def test_latency_and_kv_signals():
     kw = dict(target_ongoing_requests=100, target_kv_cache_usage=0.5, target_queue_wait_s=1.0, ttft_slo_s=2.0)
-    want, s = desired_replicas(2, 0, M(in_flight=[1, 1], kv_cache_usage=[0.9, 0.7], queue_wait_s=[0.0, 0.5],
-                                       ttft_s=[1.0, 3.0]), **kw)
+    want, s = desired_replicas(
+        2, 0, M(in_flight=[1, 1], kv_cache_usage=[0.9, 0.7], queue_wait_s=[0.0, 0.5], ttft_s=[1.0, 3.0]), **kw
+    )
     assert s["kv"] == pytest.approx(3.2) and s["queue"] == pytest.approx(1.0) and s["ttft"] == pytest.approx(3.0)
     assert want == pytest.approx(3.2)
     # an SLO blown by 100x asks for at most max_step times the current replicas

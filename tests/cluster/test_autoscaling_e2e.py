@@ -9,6 +9,7 @@ proves the chain replica stats -> controller -> OrbitalPolicy -> Serve.
 Measured figures are printed and written as JSON to $ORBITAL_SCALING_REPORT when set
 (cluster/README.md quotes them).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,18 +20,27 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.helpers import (complete, completion_body, free_port, replica_states, stream_completion,
-                                   wait_healthy)
+from tests.cluster.helpers import complete, completion_body, free_port, replica_states, stream_completion, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 APP = "autoscale"
 UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 2.0, 6.0
-POLICY = {"pools": {"engine": {
-    "min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
-    "targets": {"ongoing_requests_per_replica": 1000, "queue_wait_s": 1.0},
-    "upscale_delay_s": UPSCALE_DELAY_S, "downscale_delay_s": DOWNSCALE_DELAY_S, "look_back_period_s": 3.0,
-    "metrics_interval_s": 0.5, "drain_timeout_s": 120.0}}}
+POLICY = {
+    "pools": {
+        "engine": {
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "initial_replicas": 1,
+            "targets": {"ongoing_requests_per_replica": 1000, "queue_wait_s": 1.0},
+            "upscale_delay_s": UPSCALE_DELAY_S,
+            "downscale_delay_s": DOWNSCALE_DELAY_S,
+            "look_back_period_s": 3.0,
+            "metrics_interval_s": 0.5,
+            "drain_timeout_s": 120.0,
+        }
+    }
+}
 # Bounds on top of the configured delays, for this 2-core machine shared with other work:
 # metrics (0.5 s pushes, a 3 s look-back mean) + the new replica's start (process, model load).
 UPSCALE_BOUND_S = 60.0
@@ -44,7 +54,7 @@ BURST, BURST_TOKENS = 12, 32  # clients sending back to back until the scale-up
 LONG, LONG_SECONDS, LONG_TOKENS_RANGE = 4, 20.0, (160, 1600)
 KV_BYTES = 384 << 20  # float32 SmolLM2: ~46 KB per token, so 4 x 1600-token streams fit beside the rest
 MAX_NUM_SEQS = 8  # per replica: 12 clients keep 4 requests waiting on one replica; after the
-                  # burst no replica is full, so short requests never queue (no re-upscale)
+# burst no replica is full, so short requests never queue (no re-upscale)
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 
@@ -62,8 +72,14 @@ def autoscaling_app():
     ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        cfg = AppConfig(dtype="float32", kv_cache_memory_bytes=KV_BYTES, num_threads=1, cpus_per_worker=1.0,
-                        max_num_seqs=MAX_NUM_SEQS, autoscaling=POLICY)
+        cfg = AppConfig(
+            dtype="float32",
+            kv_cache_memory_bytes=KV_BYTES,
+            num_threads=1,
+            cpus_per_worker=1.0,
+            max_num_seqs=MAX_NUM_SEQS,
+            autoscaling=POLICY,
+        )
         handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
@@ -134,11 +150,9 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         t0 = time.monotonic()
         load_stop, burst_results = asyncio.Event(), []
         events.append(load_stop)
-        burst = [asyncio.create_task(_load_client(client, url, i, load_stop, burst_results))
-                 for i in range(BURST)]
+        burst = [asyncio.create_task(_load_client(client, url, i, load_stop, burst_results)) for i in range(BURST)]
         spawned.extend(burst)
-        t_up, states = await _wait_states(lambda s: s.get("RUNNING", 0) >= 2,
-                                          UPSCALE_DELAY_S + UPSCALE_BOUND_S)
+        t_up, states = await _wait_states(lambda s: s.get("RUNNING", 0) >= 2, UPSCALE_DELAY_S + UPSCALE_BOUND_S)
         m["scale_up_s"] = t_up - t0
         load_stop.set()  # each client finishes the request it has open
         # --- long streams, started while both replicas run: the newer replica (the one Serve
@@ -154,8 +168,7 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         t_queue_empty = max(r["t_first"] or r["t_end"] for r in burst_results)
         t_drop = max(r["t_end"] for r in burst_results)
         # --- scale down: a replica is told to stop while streams run on it ----------------------
-        t_stop, states = await _wait_states(lambda s: s.get("RUNNING", 0) <= 1,
-                                            DOWNSCALE_DELAY_S + DOWNSCALE_BOUND_S)
+        t_stop, states = await _wait_states(lambda s: s.get("RUNNING", 0) <= 1, DOWNSCALE_DELAY_S + DOWNSCALE_BOUND_S)
         m["in_flight_at_stop"] = sum(1 for t in long + burst if not t.done())
         m["long_in_flight_at_stop"] = sum(1 for t in long if not t.done())
         at_stop = await router.routed_counts.remote()
@@ -176,17 +189,21 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         removed = [k for k in final if k != survivor[0]]
         assert len(removed) == 1, final
         m["removed_replica_in_flight_at_stop"] = after_one[removed[0]] - at_stop.get(removed[0], 0)
-    m.update(scale_down_decision_after_queue_empty_s=t_stop - t_queue_empty,
-             scale_down_decision_after_burst_end_s=t_stop - t_drop, drain_s=t_down - t_stop,
-             scale_down_s=t_down - t_queue_empty)
+    m.update(
+        scale_down_decision_after_queue_empty_s=t_stop - t_queue_empty,
+        scale_down_decision_after_burst_end_s=t_stop - t_drop,
+        drain_s=t_down - t_stop,
+        scale_down_s=t_down - t_queue_empty,
+    )
     m["burst_requests"] = len(burst_results)
     m["burst_complete"] = sum(complete(x, BURST_TOKENS) for x in burst_results)
     m["long_complete"] = sum(complete(x, long_tokens) for x in long_results)
     m["long_equal_reference"] = sum(x["text"] == reference for x in long_results)
     m["short_ok"] = sum(1 for code, fin in shorts if code == 200 and fin == "length")
     m["short_total"] = len(shorts)
-    m["errors"] = [x["error"] for x in burst_results + long_results if x["error"]] + \
-        [fin for code, fin in shorts if code != 200]
+    m["errors"] = [x["error"] for x in burst_results + long_results if x["error"]] + [
+        fin for code, fin in shorts if code != 200
+    ]
     return m
 
 

@@ -7,6 +7,7 @@ Nodes: a 1-CPU head (controller, proxy, router; too small for a tp=2 group) and 
 workers, the second added while the app deploys: the first worker could hold both tp=2
 groups, so only the spread rule keeps the second replica waiting for the new node.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,8 +41,9 @@ def three_node_app(tmp_path_factory, smollm_dir):
     model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-serve"), tokenizer_from=smollm_dir)
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 1, "resources": SPREAD, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "resources": SPREAD, "include_dashboard": False}
+    )
     deployer = None
     try:
         first = cluster.add_node(num_cpus=4, resources=SPREAD)
@@ -49,14 +51,30 @@ def three_node_app(tmp_path_factory, smollm_dir):
         ray.init(address=cluster.address, log_to_driver=False)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        cfg = AppConfig(model=str(model_dir), dtype="float32", tensor_parallel_size=2, cpus_per_worker=1.0,
-                        num_threads=1, kv_cache_memory_bytes=8 << 20, max_model_len=256,
-                        autoscaling={"pools": {"engine": {
-                            "min_replicas": 2, "max_replicas": 2, "metrics_interval_s": 1.0,
-                            "look_back_period_s": 5.0, "placement": {"max_replicas_per_node": 1}}}})
+        cfg = AppConfig(
+            model=str(model_dir),
+            dtype="float32",
+            tensor_parallel_size=2,
+            cpus_per_worker=1.0,
+            num_threads=1,
+            kv_cache_memory_bytes=8 << 20,
+            max_model_len=256,
+            autoscaling={
+                "pools": {
+                    "engine": {
+                        "min_replicas": 2,
+                        "max_replicas": 2,
+                        "metrics_interval_s": 1.0,
+                        "look_back_period_s": 5.0,
+                        "placement": {"max_replicas_per_node": 1},
+                    }
+                }
+            },
+        )
         box: dict = {}
-        deployer = threading.Thread(target=lambda: box.update(handle=serve.run(build_app(cfg), name=APP,
-                                                                                route_prefix="/")), daemon=True)
+        deployer = threading.Thread(
+            target=lambda: box.update(handle=serve.run(build_app(cfg), name=APP, route_prefix="/")), daemon=True
+        )
         deployer.start()
         deadline = time.monotonic() + 240
         while replica_states(APP).get("RUNNING", 0) < 1 and time.monotonic() < deadline:
@@ -70,8 +88,15 @@ def three_node_app(tmp_path_factory, smollm_dir):
         placed_s = time.monotonic() - t_add
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout=120)
-        yield {"url": url, "handle": box["handle"], "head": cluster.head_node.node_id, "first": first.node_id,
-               "second": second.node_id, "before": before, "placed_after_add_s": placed_s}
+        yield {
+            "url": url,
+            "handle": box["handle"],
+            "head": cluster.head_node.node_id,
+            "first": first.node_id,
+            "second": second.node_id,
+            "before": before,
+            "placed_after_add_s": placed_s,
+        }
     finally:
         try:
             serve.shutdown()
@@ -83,8 +108,11 @@ def three_node_app(tmp_path_factory, smollm_dir):
 
 
 def _engine_groups(any_state: bool = False) -> list[dict]:
-    return [pg for pg in ray.util.placement_group_table().values()
-            if "EngineReplica" in (pg.get("name") or "") and (any_state or pg["state"] == "CREATED")]
+    return [
+        pg
+        for pg in ray.util.placement_group_table().values()
+        if "EngineReplica" in (pg.get("name") or "") and (any_state or pg["state"] == "CREATED")
+    ]
 
 
 def test_spread_keeps_second_replica_off_a_node_with_room(three_node_app):
@@ -119,8 +147,12 @@ def test_tp_groups_whole_on_one_node_and_spread(three_node_app):
         replica = [a for a in actors if a["Name"] == pg["name"]]
         assert len(replica) == 1 and replica[0]["Address"]["NodeID"] == node, (pg["name"], replica)
         owner = replica[0]["Address"]
-        ranks = [a for a in actors if a["ActorClassName"] == "TPWorker"
-                 and (a["OwnerAddress"]["IPAddress"], a["OwnerAddress"]["Port"]) == (owner["IPAddress"], owner["Port"])]
+        ranks = [
+            a
+            for a in actors
+            if a["ActorClassName"] == "TPWorker"
+            and (a["OwnerAddress"]["IPAddress"], a["OwnerAddress"]["Port"]) == (owner["IPAddress"], owner["Port"])
+        ]
         assert len(ranks) == 1, [(a["ActorClassName"], a["OwnerAddress"]) for a in actors]  # tp=2: rank 1
         assert {a["Address"]["NodeID"] for a in ranks} == {node}
 
@@ -130,12 +162,17 @@ def test_requests_succeed_on_both_replicas(three_node_app):
 
     async def run():
         async with httpx.AsyncClient(timeout=httpx.Timeout(180.0)) as client:
-            return await asyncio.gather(*(stream_completion(client, url, [10 + i, 20, 30, 40, 50], 12) for i in range(8)))
+            return await asyncio.gather(
+                *(stream_completion(client, url, [10 + i, 20, 30, 40, 50], 12) for i in range(8))
+            )
 
     results = asyncio.run(run())  # the tiny model's vocabulary is 512: prompts are token ids
     assert all(complete(r, 12) for r in results), [r["error"] or r["finish_reason"] for r in results]
     counts = router.routed_counts.remote().result()
     assert len([c for c in counts.values() if c > 0]) == 2, counts  # both replicas served
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 5, "temperature": 0,
-                                                   "ignore_eos": True}, timeout=120)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": [7, 8, 9], "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        timeout=120,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

@@ -1,6 +1,7 @@
 """The `ray up` configs validate under Ray's own schema (offline: prepare_config fills the
 provider's defaults, validate_config checks ray-schema.json, unknown keys rejected), and mean
 what cluster/README.md says they mean."""
+
 from __future__ import annotations
 
 import copy
@@ -34,10 +35,15 @@ def test_config_validates(name):
     assert cfg["file_mounts"]["~/orbital"] == "."
 
 
-@pytest.mark.parametrize("name,where", [
-    ("cluster/gpu-cloud.yaml", "top"), ("cluster/gpu-cloud.yaml", "node_type"),
-    ("cluster/on-prem.yaml", "top"), ("cluster/on-prem.yaml", "auth"),
-])
+@pytest.mark.parametrize(
+    "name,where",
+    [
+        ("cluster/gpu-cloud.yaml", "top"),
+        ("cluster/gpu-cloud.yaml", "node_type"),
+        ("cluster/on-prem.yaml", "top"),
+        ("cluster/on-prem.yaml", "auth"),
+    ],
+)
 def test_typo_fails_validation(name, where):
     raw = load(name)
     if where == "top":
@@ -72,12 +78,12 @@ def test_on_prem_uses_listed_hosts():
     assert node["max_workers"] == raw["max_workers"] <= len(raw["provider"]["worker_ips"])
     assert node["min_workers"] == raw["min_workers"]
     for cmds in (cfg["head_start_ray_commands"], cfg["worker_start_ray_commands"]):
-        assert any("\"orbital_node\": 1" in c for c in cmds)
+        assert any('"orbital_node": 1' in c for c in cmds)
 
 
 def test_serve_cluster_config_loads():
-    from router.controller.autoscaling_config import load_autoscaling
     from router.config import AppConfig
+    from router.controller.autoscaling_config import load_autoscaling
 
     args = load("deploy/serve-cluster.yaml")["applications"][0]["args"]
     cfg = AppConfig(**args)

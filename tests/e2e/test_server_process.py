@@ -1,6 +1,7 @@
 """The whole product as a user starts it: `orbital serve` in its own process (what `make run`
 does), the official openai client against it, then the load tester's short run against the
 same server writing a result file and plots. The server is stopped with SIGINT, as Ctrl-C."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,29 @@ def server(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-         "--num-cpus", "2", "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "2048"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--num-cpus",
+            "2",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--max-model-len",
+            "2048",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -65,8 +86,28 @@ def test_openai_client_against_the_server_process(server):
 
 def test_loadtest_short_run_writes_results_and_plots(server, tmp_path):
     out, plots = tmp_path / "result.json", tmp_path / "plots"
-    cmd = [sys.executable, "-m", "loadtest", "run", "--base-url", server, "-n", "4", "--concurrency", "2",
-           "--output-tokens", "8", "--workload", "mixed", "--out", str(out), "--plots", str(plots), "--timeout", "120"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loadtest",
+        "run",
+        "--base-url",
+        server,
+        "-n",
+        "4",
+        "--concurrency",
+        "2",
+        "--output-tokens",
+        "8",
+        "--workload",
+        "mixed",
+        "--out",
+        str(out),
+        "--plots",
+        str(plots),
+        "--timeout",
+        "120",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     data = json.loads(out.read_text())

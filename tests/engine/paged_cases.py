@@ -1,5 +1,6 @@
 """Random paged-attention steps (decode rows + prompt chunks with cached context) for comparing
 attention backends: the metadata comes from the engine's own step builder."""
+
 from __future__ import annotations
 
 import torch

@@ -1,12 +1,13 @@
 """Which attention backend runs where: a backend that cannot run on the model's device is
 refused at start (forcing cpu_paged on CUDA used to leave decode rows uninitialised)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers.attention.selector import get_backend
 from engine.layers.attention.cpu_paged import kernel_available
+from engine.layers.attention.selector import get_backend
 
 
 def test_cpu_paged_refused_off_cpu():

@@ -1,4 +1,5 @@
 """FreeBlockQueue, block hashes and BlockPool: exact ids, LRU order, eviction only on reuse."""
+
 import pytest
 
 from engine.core.block_hash import hash_block_tokens, update_block_hashes

@@ -1,4 +1,5 @@
 """Greedy token ids equal transformers' in float32, for every engine feature combination."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,11 @@ def reference(hf_smollm, smollm_tokenizer):
 
 def _check(llm: LLM, reference, logprob_tol: float | None = None):
     ids, expected = reference
-    outs = llm.generate([{"prompt_token_ids": x} for x in ids],
-                        SamplingParams(temperature=0, max_tokens=NEW, logprobs=0 if logprob_tol else None), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": x} for x in ids],
+        SamplingParams(temperature=0, max_tokens=NEW, logprobs=0 if logprob_tol else None),
+        use_tqdm=False,
+    )
     for out, (exp_ids, exp_lps), prompt in zip(outs, expected, PROMPTS):
         got = out.outputs[0].token_ids
         assert got == exp_ids, f"prompt {prompt[:30]!r}: {got} != {exp_ids}"

@@ -1,4 +1,5 @@
 """Step-sized tensors reuse heap memory once keep_step_memory() ran (no page faults per step)."""
+
 import json
 import subprocess
 import sys

@@ -1,6 +1,7 @@
 """The C++ ops' build targets: chosen from the CPU's flags, keyed per target, and every lower
 target this CPU can run passes the kernel tests too (an AVX-512 CI machine also checks the AVX2
 and generic builds; an AVX2 one the generic build), each in its own process."""
+
 import os
 import subprocess
 import sys
@@ -12,8 +13,12 @@ from engine.kernels import cpu_ops
 from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, supported_targets
 
 LOWER = [t for t in ("avx2", "generic") if t in supported_targets()[1:]]  # below this CPU's best
-KERNEL_TESTS = ["tests/engine/test_attention_backends.py", "tests/engine/test_fused_elementwise.py",
-                "tests/engine/test_small_linear.py", "tests/engine/test_sampler.py"]
+KERNEL_TESTS = [
+    "tests/engine/test_attention_backends.py",
+    "tests/engine/test_fused_elementwise.py",
+    "tests/engine/test_small_linear.py",
+    "tests/engine/test_sampler.py",
+]
 
 
 def test_targets_follow_the_cpu_flags(monkeypatch):
@@ -46,7 +51,12 @@ def test_this_process_runs_the_best_target_and_its_build_is_keyed_by_it():
 @pytest.mark.parametrize("target", LOWER)
 def test_lower_target_passes_the_kernel_tests(target):
     env = {**os.environ, "ORBITAL_CPU_ISA": target}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout

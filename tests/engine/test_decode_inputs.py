@@ -1,8 +1,7 @@
 """The static decode inputs a CUDA graph reads (filled here on CPU: same code, no pinning) and
 the graph buckets: padding rows must write only the spare block, real rows the request's slot."""
-from __future__ import annotations
 
-import torch
+from __future__ import annotations
 
 from engine.cuda_graph import graph_buckets
 from engine.decode_inputs import DecodeInputs

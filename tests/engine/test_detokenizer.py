@@ -1,6 +1,6 @@
 """IncrementalDetokenizer (real SmolLM2 tokenizer) and StopChecker."""
+
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def tokenizer():
 
 def stream(tok, prompt_ids, out_ids, skip=True, chunk=1):
     d = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip)
-    deltas = [d.add(out_ids[i:i + chunk]) for i in range(0, len(out_ids), chunk)]
+    deltas = [d.add(out_ids[i : i + chunk]) for i in range(0, len(out_ids), chunk)]
     deltas.append(d.flush())
     return deltas
 
@@ -91,6 +91,7 @@ def test_window_cost_is_bounded(tokenizer):
 
 
 # ---- stop strings ----
+
 
 def test_stop_found_across_boundary_and_truncated():
     sc = StopChecker(["STOP", "\n\n"])

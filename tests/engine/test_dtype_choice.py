@@ -1,4 +1,5 @@
 """dtype=auto per CPU kind, and the warning for bfloat16 where the CPU emulates it."""
+
 import logging
 
 import pytest

@@ -1,4 +1,5 @@
 """The fused CPU RMSNorm / SiLU-and-mul / rotary ops against the layers' PyTorch path."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """The Triton paged backend against the reference backend on CUDA, and the backend choice there."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """Decode CUDA graphs keep the correctness contract: greedy ids with graphs = eager = transformers
 on CUDA in float32, across buckets as the batch shrinks, under preemption and chunked prefill
 (mixed steps run eagerly), and seeded sampling the same with and without graphs."""
+
 from __future__ import annotations
 
 import pytest
@@ -69,8 +70,11 @@ def test_seeded_sampling_same_with_graphs_and_eager(hf_model):
     for eager in (False, True):
         llm = _llm(hf_model[0], enforce_eager=eager)
         alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
-        batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                             [seeded if i == 1 else others for i in range(len(PROMPTS))], use_tqdm=False)
+        batch = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            [seeded if i == 1 else others for i in range(len(PROMPTS))],
+            use_tqdm=False,
+        )
         assert batch[1].outputs[0].token_ids == alone
         assert (_graphs(llm) is None) == eager
         runs.append(alone)

@@ -2,6 +2,7 @@
 (with prefix caching, a tiny chunk budget, preemption), logprobs within 1e-3, seeded sampling
 reproducible whatever the batch, and a KV pool sized from free GPU memory. The model is a
 random-weight SmolLM2-shaped Llama saved by the test (the real weights cannot travel)."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,16 @@ from tests.engine.hf_reference import hf_greedy, hf_prompt_logprobs
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NEW = 20
-PROMPTS = [[1, 2, 3], list(range(100, 140)), [42] * 7, list(range(7, 7 + 3 * 230, 3)), [9000 + 11 * i for i in range(75)],
-           list(range(300, 1300, 2)), [5, 17, 300, 2048, 77], [1234] + list(range(20000, 20033))]
+PROMPTS = [
+    [1, 2, 3],
+    list(range(100, 140)),
+    [42] * 7,
+    list(range(7, 7 + 3 * 230, 3)),
+    [9000 + 11 * i for i in range(75)],
+    list(range(300, 1300, 2)),
+    [5, 17, 300, 2048, 77],
+    [1234] + list(range(20000, 20033)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +47,11 @@ def _llm(path, **kw):
 
 
 def _check(llm, reference, logprob_tol=None):
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                        SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=0 if logprob_tol else None),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=0 if logprob_tol else None),
+        use_tqdm=False,
+    )
     for out, (ids, lps), p in zip(outs, reference, PROMPTS):
         assert out.outputs[0].token_ids == ids, f"prompt of {len(p)} tokens"
         if logprob_tol:
@@ -97,11 +108,21 @@ def test_seeded_sampling_on_cuda_is_reproducible_whatever_the_batch(hf_model):
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
-    batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                         [seeded if i == 1 else others for i in range(len(PROMPTS))], use_tqdm=False)
+    batch = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        [seeded if i == 1 else others for i in range(len(PROMPTS))],
+        use_tqdm=False,
+    )
     assert batch[1].outputs[0].token_ids == alone
-    other_seed = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16,
-                              seed=99, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    other_seed = (
+        llm.generate(
+            {"prompt_token_ids": PROMPTS[1]},
+            SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
 

@@ -1,4 +1,5 @@
 """KVCacheManager: prefix hits with exact block ids, sibling sharing, salts, no partial alloc."""
+
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -32,7 +33,14 @@ def test_allocate_exact_ids_and_growth():
     m.free(r)
     # Reverse order: the tail block is the first to be reused.
     assert [b.block_id for b in m.block_pool.free_block_queue.get_all_free_blocks()] == [
-        4, 5, 6, 7, 3, 2, 1, 0,
+        4,
+        5,
+        6,
+        7,
+        3,
+        2,
+        1,
+        0,
     ]
     m.check_integrity()
 

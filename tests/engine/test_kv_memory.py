@@ -1,4 +1,5 @@
 """The KV cache's memory: zeroed, one independent writable tensor per layer, on any device path."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """OutputProcessor: n>1 aggregation, finish reasons, stop strings, streaming invariant."""
+
 import importlib.util
 
 import pytest
@@ -24,9 +25,12 @@ def feed(proc, child_id, ids, finish_at_end=None, stop_reason=None, chunk=1):
     outs, stops = [], []
     for i in range(0, len(ids), chunk):
         last = i + chunk >= len(ids)
-        o = EngineCoreOutput(child_id, ids[i:i + chunk],
-                             finish_reason=finish_at_end if last else None,
-                             stop_reason=stop_reason if last else None)
+        o = EngineCoreOutput(
+            child_id,
+            ids[i : i + chunk],
+            finish_reason=finish_at_end if last else None,
+            stop_reason=stop_reason if last else None,
+        )
         r, s = proc.process_outputs([o])
         outs += r
         stops += s
@@ -71,7 +75,7 @@ def test_stop_string_across_tokens_truncates_and_is_never_streamed(tokenizer):
         assert "<" not in joined  # no partial stop string ever reached the client
     assert joined == final.text
     # Token ids are kept as generated (they may run past the stop string).
-    assert final.token_ids == ids[:len(final.token_ids)]
+    assert final.token_ids == ids[: len(final.token_ids)]
     assert outs[-1].finished
 
 
@@ -109,8 +113,7 @@ def test_eos_and_stop_token_finish(tokenizer):
     ids = tokenizer.encode("fine")
     proc.add_request("a", None, [1], SamplingParams(), ["a0"])
     proc.add_request("b", None, [1], SamplingParams(stop_token_ids=[stop_tok]), ["b0"])
-    proc.add_request("c", None, [1], SamplingParams(stop_token_ids=[stop_tok],
-                                                  include_stop_str_in_output=True), ["c0"])
+    proc.add_request("c", None, [1], SamplingParams(stop_token_ids=[stop_tok], include_stop_str_in_output=True), ["c0"])
     a, _ = feed(proc, "a0", ids + [eos], "stop")
     b, _ = feed(proc, "b0", ids + [stop_tok], "stop", stop_reason=stop_tok)
     c, _ = feed(proc, "c0", ids + [stop_tok], "stop", stop_reason=stop_tok)
@@ -129,14 +132,14 @@ def test_n_children_aggregated(tokenizer):
     r, s = proc.process_outputs([EngineCoreOutput("req-0", t0[:1]), EngineCoreOutput("req-2", t2)])
     assert len(r) == 1 and [o.index for o in r[0].outputs] == [0, 1, 2] and not r[0].finished
     assert r[0].outputs[1].text_delta == "" and r[0].outputs[1].token_ids_delta == []
-    r, s = proc.process_outputs([EngineCoreOutput("req-1", t1),
-                                 EngineCoreOutput("req-2", [], finish_reason="length")])
+    r, s = proc.process_outputs([EngineCoreOutput("req-1", t1), EngineCoreOutput("req-2", [], finish_reason="length")])
     assert s == ["req-1"] and not r[0].finished
     assert r[0].outputs[1].text == "gamma " and r[0].outputs[1].finish_reason == "stop"
     assert r[0].outputs[2].finish_reason == "length" and r[0].outputs[2].text == "zeta"
     # A late token for the stopped child (scheduled before the abort landed) is ignored.
-    r, s = proc.process_outputs([EngineCoreOutput("req-1", [5]),
-                                 EngineCoreOutput("req-0", t0[1:], finish_reason="length")])
+    r, s = proc.process_outputs(
+        [EngineCoreOutput("req-1", [5]), EngineCoreOutput("req-0", t0[1:], finish_reason="length")]
+    )
     assert r[0].finished and s == []
     assert [o.text for o in r[0].outputs] == ["alpha beta", "gamma ", "zeta"]
     assert r[0].outputs[1].token_ids == t1

@@ -1,4 +1,5 @@
 """Packed oneDNN linears (engine/layers/packed_gemm.py) against F.linear, and their use in the model."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,9 @@ def test_model_linears_are_packed_and_switch_off(monkeypatch, smollm_dir):
     assert not packed.model.embed_tokens.weight.is_mkldnn and packed.lm_head.packed_weight.is_mkldnn
     ids = torch.tensor([1, 5, 9, 2, 300, 4000, 7])
     with torch.inference_mode():
-        outs = [(m.model.layers[3].mlp(m.model.embed_tokens(ids)), m.compute_logits(m.model.embed_tokens(ids)))
-                for m in (packed, plain)]
+        outs = [
+            (m.model.layers[3].mlp(m.model.embed_tokens(ids)), m.compute_logits(m.model.embed_tokens(ids)))
+            for m in (packed, plain)
+        ]
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -1,4 +1,5 @@
 """Sampler and SamplingMetadata: greedy, raw logprobs, penalties, filters, seeded reproducibility."""
+
 import pytest
 import torch
 
@@ -13,8 +14,7 @@ V = 64
 
 def build(params, prompts=None, outputs=None, generators=None, eos=None):
     b = len(params)
-    return SamplingMetadata.build(params, prompts or [[1, 2]] * b, outputs or [[]] * b,
-                                  generators, eos)
+    return SamplingMetadata.build(params, prompts or [[1, 2]] * b, outputs or [[]] * b, generators, eos)
 
 
 def sample(logits, params, **kw):
@@ -66,12 +66,15 @@ def test_bf16_logits_computed_in_float32():
 def test_raw_logprobs_rank_and_top_before_penalties_and_temperature():
     torch.manual_seed(0)
     logits = torch.randn(4, V) * 3
-    params = [SamplingParams(temperature=0.7, logprobs=5, repetition_penalty=1.5, seed=1),
-              SamplingParams(temperature=0.0, logprobs=0),
-              SamplingParams(temperature=1.0),  # no logprobs requested
-              SamplingParams(temperature=0.0, logprobs=20, presence_penalty=1.0)]
-    out = sample(logits, params, outputs=[[5, 6], [], [1], [int(logits[3].argmax())]],
-                 generators=[gen(1), None, None, None])
+    params = [
+        SamplingParams(temperature=0.7, logprobs=5, repetition_penalty=1.5, seed=1),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0),  # no logprobs requested
+        SamplingParams(temperature=0.0, logprobs=20, presence_penalty=1.0),
+    ]
+    out = sample(
+        logits, params, outputs=[[5, 6], [], [1], [int(logits[3].argmax())]], generators=[gen(1), None, None, None]
+    )
     ref = torch.log_softmax(logits, -1)
     assert out.logprobs[2] is None
     for i in (0, 1, 3):
@@ -105,6 +108,7 @@ def test_repetition_penalty_hf_semantics():
     p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
     md = build([p], prompts=[[0, 1]], outputs=[[2, 3]])
     from engine.layers.sampler import apply_penalties
+
     x = logits.clone()
     apply_penalties(x, md)
     assert x[0, :6].tolist() == [1.0, -4.0, 1.5, -2.0, 4.0, 2.5]
@@ -115,9 +119,12 @@ def test_repetition_penalty_hf_semantics():
 
 def test_presence_and_frequency_penalties_openai_semantics():
     from engine.layers.sampler import apply_penalties
+
     logits = torch.zeros(2, V)
-    params = [SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25),
-              SamplingParams(temperature=0.0)]  # neutral row in a penalized batch: untouched
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(temperature=0.0),
+    ]  # neutral row in a penalized batch: untouched
     md = build(params, prompts=[[9, 9, 9], [1]], outputs=[[1, 1, 1, 2], [1, 1]])
     assert md.prompt_token_ids is None  # not needed without repetition penalty
     apply_penalties(logits, md)
@@ -138,9 +145,11 @@ def test_min_tokens_blocks_eos_and_stop_token_ids():
     logits[:, 2] = 50.0  # EOS
     logits[:, 7] = 40.0  # stop token id
     logits[:, 11] = 30.0
-    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
-              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
-              SamplingParams(temperature=0.0, min_tokens=1)]
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7]),
+        SamplingParams(temperature=0.0, min_tokens=1),
+    ]
     out = sample(logits, params, outputs=[[5], [5, 5, 5], []], eos=[2, 2, 2])
     assert out.sampled_token_ids.tolist() == [11, 2, 7]
     # Also for random rows: EOS never sampled while blocked.
@@ -183,8 +192,10 @@ def test_min_p_support():
 def test_temperature_changes_distribution():
     logits = torch.tensor([[2.0, 1.0] + [-1e9] * (V - 2)])
     g = gen(0)
-    hits = sum(sample(logits, [SamplingParams(temperature=0.25)], generators=[g])
-               .sampled_token_ids.item() == 0 for _ in range(300))
+    hits = sum(
+        sample(logits, [SamplingParams(temperature=0.25)], generators=[g]).sampled_token_ids.item() == 0
+        for _ in range(300)
+    )
     # p(0) = sigmoid(4) ~ 0.982 at T=0.25 (vs 0.73 at T=1).
     assert hits > 280
 
@@ -211,10 +222,14 @@ def test_seeded_row_reproducible_whatever_the_batch():
     def run(batch_size, position, other_seed):
         torch.manual_seed(other_seed)
         g = gen(42)
-        others = [SamplingParams(temperature=float(t), top_k=int(k), min_p=0.05,
-                                 repetition_penalty=1.3, seed=(s if s % 2 else None))
-                  for t, k, s in zip(torch.rand(batch_size - 1) * 2, torch.randint(0, 10, (batch_size - 1,)),
-                                     range(batch_size - 1))]
+        others = [
+            SamplingParams(
+                temperature=float(t), top_k=int(k), min_p=0.05, repetition_penalty=1.3, seed=(s if s % 2 else None)
+            )
+            for t, k, s in zip(
+                torch.rand(batch_size - 1) * 2, torch.randint(0, 10, (batch_size - 1,)), range(batch_size - 1)
+            )
+        ]
         other_gens = [gen(1000 + i) if p.seed is not None else None for i, p in enumerate(others)]
         ids = []
         for step in range(steps):
@@ -222,8 +237,7 @@ def test_seeded_row_reproducible_whatever_the_batch():
             params = others[:position] + [target] + others[position:]
             gens = other_gens[:position] + [g] + other_gens[position:]
             logits[position] = target_logits[step]
-            md = SamplingMetadata.build(params, [[1, 2, 3]] * batch_size,
-                                        [[4, 5]] * batch_size, gens, [2] * batch_size)
+            md = SamplingMetadata.build(params, [[1, 2, 3]] * batch_size, [[4, 5]] * batch_size, gens, [2] * batch_size)
             ids.append(Sampler()(logits, md).sampled_token_ids[position].item())
         return ids
 
@@ -236,8 +250,12 @@ def test_seeded_row_reproducible_whatever_the_batch():
 
 def test_mixed_greedy_and_random_rows():
     logits = torch.randn(4, V)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3),
-              SamplingParams(temperature=0.0, seed=5), SamplingParams(temperature=2.0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.0, seed=5),
+        SamplingParams(temperature=2.0),
+    ]
     g_greedy = gen(5)
     state = g_greedy.get_state()
     out = sample(logits, params, generators=[None, gen(3), g_greedy, None])

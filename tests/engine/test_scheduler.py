@@ -3,6 +3,7 @@
 The driver below plays the model runner: it samples a fixed token for every request whose
 scheduled tokens reached the end of its token list (it is the test's runner, not a mock).
 """
+
 import random
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -25,8 +26,14 @@ def make_sched(num_blocks=32, budget=64, max_seqs=16, policy="fcfs", caching=Tru
 
 def make_req(rid, prompt, max_tokens=4, arrival=0.0, priority=0, salt=None, eos=None, **sp):
     return Request(
-        rid, list(prompt), SamplingParams(max_tokens=max_tokens, **sp), eos_token_id=eos,
-        arrival_time=arrival, priority=priority, cache_salt=salt, max_tokens=max_tokens,
+        rid,
+        list(prompt),
+        SamplingParams(max_tokens=max_tokens, **sp),
+        eos_token_id=eos,
+        arrival_time=arrival,
+        priority=priority,
+        cache_salt=salt,
+        max_tokens=max_tokens,
     )
 
 
@@ -120,8 +127,9 @@ def test_budget_shared_running_first():
 
 
 def test_long_prefill_threshold_caps_chunks():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=3),
-                  CacheConfig(block_size=BS), 16)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=3), CacheConfig(block_size=BS), 16
+    )
     s.add_request(make_req("a", range(7)))
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"a": 3}
@@ -351,16 +359,29 @@ def test_randomized_integrity_every_step():
     total_preemptions = total_hits = 0
     for trial in range(10):
         num_blocks = rng.randint(4, 10)
-        s = make_sched(num_blocks=num_blocks, budget=rng.randint(3, 24), max_seqs=rng.randint(1, 5),
-                       policy=rng.choice(["fcfs", "priority"]), caching=rng.random() < 0.7)
+        s = make_sched(
+            num_blocks=num_blocks,
+            budget=rng.randint(3, 24),
+            max_seqs=rng.randint(1, 5),
+            policy=rng.choice(["fcfs", "priority"]),
+            caching=rng.random() < 0.7,
+        )
         expected = {}
         prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
         for i in range(12):
             prompt = rng.choice(prefixes)[: rng.randint(1, 8)] + [rng.randrange(50) for _ in range(rng.randint(0, 6))]
             mt = rng.randint(1, 10)
             rid = f"t{trial}r{i}"
-            s.add_request(make_req(rid, prompt, max_tokens=mt, arrival=i, priority=rng.randint(0, 2),
-                                   salt=rng.choice([None, None, "s"])))
+            s.add_request(
+                make_req(
+                    rid,
+                    prompt,
+                    max_tokens=mt,
+                    arrival=i,
+                    priority=rng.randint(0, 2),
+                    salt=rng.choice([None, None, "s"]),
+                )
+            )
             expected[rid] = (mt, -(-(len(prompt) + mt - 1) // BS) > num_blocks)
         aborted = set()
         got = {rid: [] for rid in expected}

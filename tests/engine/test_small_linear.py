@@ -1,4 +1,5 @@
 """The few-row C++ linear (small_linear.cpp) against F.linear, and its use by packed_gemm.linear."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,9 @@ def vector(ops) -> bool:  # runs wherever the build has AVX-512 or AVX2; generic
     return ops.isa() != "generic"
 
 
-@pytest.mark.parametrize("xdt,wdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                     (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "xdt,wdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+)
 @pytest.mark.parametrize("m", [1, 2, 5, 8])
 @pytest.mark.parametrize("n,k", [(1, 16), (15, 80), (17, 576), (100, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -41,10 +43,12 @@ def test_small_linear_matches_f_linear(ops, xdt, wdt, m, n, k, bias):
 
 def test_small_linear_declines_what_it_does_not_cover(ops):
     w = torch.randn(32, 64)
-    for x, ww, out in [(torch.randn(9, 64), w, torch.empty(9, 32)),          # too many rows
-                       (torch.randn(1, 20), torch.randn(32, 20), torch.empty(1, 32)),  # k % 16
-                       (torch.randn(1, 64), w.t().contiguous().t(), torch.empty(1, 32)),  # strided weight
-                       (torch.randn(1, 64).double(), w.double(), torch.empty(1, 32).double())]:
+    for x, ww, out in [
+        (torch.randn(9, 64), w, torch.empty(9, 32)),  # too many rows
+        (torch.randn(1, 20), torch.randn(32, 20), torch.empty(1, 32)),  # k % 16
+        (torch.randn(1, 64), w.t().contiguous().t(), torch.empty(1, 32)),  # strided weight
+        (torch.randn(1, 64).double(), w.double(), torch.empty(1, 32).double()),
+    ]:
         assert not ops.small_linear(x, ww, None, out)
     assert not ops.small_linear(torch.randn(1, 64), w, torch.randn(32).bfloat16(), torch.empty(1, 32))
 

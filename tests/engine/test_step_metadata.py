@@ -1,5 +1,6 @@
 """The step builder's decode buckets: the vectorised split equals the exhaustive dynamic
 programme it replaced, and a 256-row decode step is built in milliseconds."""
+
 from __future__ import annotations
 
 import random

@@ -1,6 +1,7 @@
 """The Triton paged kernel against the reference backend on CPU, through Triton's interpreter:
 the kernel's indexing and masking are checked without a GPU wherever the `triton` package
 imports (CPU CI has no Triton and skips with the reason; the GPU tests run it compiled)."""
+
 from __future__ import annotations
 
 import os
@@ -23,7 +24,9 @@ def _interpreter_works() -> bool:
     # Triton 3.6's interpreter turns 1-element arrays into ints, which numpy >= 2.4 refuses.
     states, counts = make_step([1], [], 4, 4)
     try:
-        run_backend(TritonPagedAttentionBackend(), states, counts, random_cache(1, 4, 4, 16, torch.float32, "cpu"), 1, 1.0)
+        run_backend(
+            TritonPagedAttentionBackend(), states, counts, random_cache(1, 4, 4, 16, torch.float32, "cpu"), 1, 1.0
+        )
     except triton.runtime.errors.InterpreterError:
         return False
     return True

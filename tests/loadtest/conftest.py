@@ -40,8 +40,10 @@ def make_app(ttft: float = TTFT_S, itl: float = ITL_S) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         n = counters["requests"]
-        return PlainTextResponse(f"# TYPE fake:prefix_cache_hits_total counter\nfake:prefix_cache_hits_total {10 * n}\n"
-                                 f"fake:prefix_cache_queries_total {40 * n}\n")
+        return PlainTextResponse(
+            f"# TYPE fake:prefix_cache_hits_total counter\nfake:prefix_cache_hits_total {10 * n}\n"
+            f"fake:prefix_cache_queries_total {40 * n}\n"
+        )
 
     async def handle(request: Request, chat: bool):
         body = await request.json()
@@ -57,11 +59,16 @@ def make_app(ttft: float = TTFT_S, itl: float = ITL_S) -> FastAPI:
 
         def chunk(tok: str | None, finish=None) -> str:
             if chat:
-                choice = {"index": 0, "delta": {"content": tok} if tok is not None else {"role": "assistant"},
-                          "finish_reason": finish}
+                choice = {
+                    "index": 0,
+                    "delta": {"content": tok} if tok is not None else {"role": "assistant"},
+                    "finish_reason": finish,
+                }
             else:
                 choice = {"index": 0, "text": tok or "", "finish_reason": finish}
-            return "data: " + json.dumps({"id": "x", "object": obj, "model": "fake-model", "choices": [choice]}) + "\n\n"
+            return (
+                "data: " + json.dumps({"id": "x", "object": obj, "model": "fake-model", "choices": [choice]}) + "\n\n"
+            )
 
         async def stream():
             if chat:
@@ -75,14 +82,22 @@ def make_app(ttft: float = TTFT_S, itl: float = ITL_S) -> FastAPI:
             if mode == "drop":
                 raise RuntimeError("injected stream drop")
             if mode == "error_event":
-                yield "data: " + json.dumps({"error": {"message": "injected", "type": "server_error", "code": 500}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps({"error": {"message": "injected", "type": "server_error", "code": 500}})
+                    + "\n\n"
+                )
                 yield "data: [DONE]\n\n"
                 return
             if mode == "short":
                 yield chunk("", "stop")
             if usage_on:
-                u = {"prompt_tokens": 7, "completion_tokens": emit, "total_tokens": 7 + emit,
-                     "prompt_tokens_details": {"cached_tokens": 3}}
+                u = {
+                    "prompt_tokens": 7,
+                    "completion_tokens": emit,
+                    "total_tokens": 7 + emit,
+                    "prompt_tokens_details": {"cached_tokens": 3},
+                }
                 yield "data: " + json.dumps({"id": "x", "object": obj, "choices": [], "usage": u}) + "\n\n"
             if mode != "no_done":
                 yield "data: [DONE]\n\n"

@@ -19,13 +19,56 @@ def _png(path):
 
 
 def test_run_writes_result_and_plots_then_compare(fake_server, tmp_path, capsys):
-    common = ["--base-url", fake_server.url, "--num-requests", "4", "--output-tokens", "6",
-              "--no-progress", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]
+    common = [
+        "--base-url",
+        fake_server.url,
+        "--num-requests",
+        "4",
+        "--output-tokens",
+        "6",
+        "--no-progress",
+        "--slo-ttft-ms",
+        "1000",
+        "--slo-tpot-ms",
+        "100",
+    ]
     out1, out2 = tmp_path / "a.json", tmp_path / "b.json"
-    assert cli.main(["run", *common, "--concurrency", "2", "--out", str(out1), "--plots", str(tmp_path / "p"),
-                     "--label", "closed2"]) == 0
-    assert cli.main(["run", *common, "--rate", "inf", "--out", str(out2), "--label", "burst",
-                     "--workload", "multi-turn", "--turns", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                *common,
+                "--concurrency",
+                "2",
+                "--out",
+                str(out1),
+                "--plots",
+                str(tmp_path / "p"),
+                "--label",
+                "closed2",
+            ]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            [
+                "run",
+                *common,
+                "--rate",
+                "inf",
+                "--out",
+                str(out2),
+                "--label",
+                "burst",
+                "--workload",
+                "multi-turn",
+                "--turns",
+                "2",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "TTFT ms" in text and "goodput" in text and "prefix cache" in text
     res = _strict_json(out1)
@@ -37,8 +80,12 @@ def test_run_writes_result_and_plots_then_compare(fake_server, tmp_path, capsys)
     assert _strict_json(out2)["config"]["arrival"]["rate"] == "inf"
     assert _png(tmp_path / "p" / "latency_cdf.png") and _png(tmp_path / "p" / "throughput.png")
 
-    assert cli.main(["compare", str(out1), str(out2), "--out", str(tmp_path / "cmp.json"),
-                     "--plots", str(tmp_path / "cp")]) == 0
+    assert (
+        cli.main(
+            ["compare", str(out1), str(out2), "--out", str(tmp_path / "cmp.json"), "--plots", str(tmp_path / "cp")]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "burst / closed2" in text and "TTFT p99 ms" in text and "x" in text
     cmp = _strict_json(tmp_path / "cmp.json")
@@ -53,8 +100,27 @@ def test_run_writes_result_and_plots_then_compare(fake_server, tmp_path, capsys)
 
 def test_sweep_and_workload_commands(fake_server, tmp_path, capsys):
     d = tmp_path / "sw"
-    assert cli.main(["sweep", "--base-url", fake_server.url, "--num-requests", "2", "--output-tokens", "4",
-                     "--values", "1,2", "--requests-per-unit", "2", "--out-dir", str(d), "--no-progress"]) == 0
+    assert (
+        cli.main(
+            [
+                "sweep",
+                "--base-url",
+                fake_server.url,
+                "--num-requests",
+                "2",
+                "--output-tokens",
+                "4",
+                "--values",
+                "1,2",
+                "--requests-per-unit",
+                "2",
+                "--out-dir",
+                str(d),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     sw = _strict_json(d / "sweep.json")
     assert [p["aggregates"]["requests"] for p in sw["points"]] == [2, 4]
     assert load(str(d / "concurrency_2.json"))["aggregates"]["succeeded"] == 4
@@ -69,15 +135,51 @@ def test_sweep_and_workload_commands(fake_server, tmp_path, capsys):
 
 def test_bench_scripts_against_a_running_server(fake_server, tmp_path, capsys):
     d = tmp_path / "bc"
-    assert bench_concurrency.main(["--base-url", fake_server.url, "--tokenizer", "approx", "--values", "1,2",
-                                   "--num-requests", "2", "--requests-per-unit", "1", "--output-tokens", "3",
-                                   "--out-dir", str(d), "--no-progress"]) == 0
+    assert (
+        bench_concurrency.main(
+            [
+                "--base-url",
+                fake_server.url,
+                "--tokenizer",
+                "approx",
+                "--values",
+                "1,2",
+                "--num-requests",
+                "2",
+                "--requests-per-unit",
+                "1",
+                "--output-tokens",
+                "3",
+                "--out-dir",
+                str(d),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert (d / "table.md").read_text().startswith("| concurrency |")
     assert _png(d / "sweep.png") and _png(d / "latency_cdf.png")
     d = tmp_path / "bp"
-    assert bench_prefix_cache.main(["--base-url", fake_server.url, "--tokenizer", "approx", "--num-requests", "3",
-                                    "--prefix-tokens", "40", "--output-tokens", "3", "--out-dir", str(d),
-                                    "--no-progress"]) == 0
+    assert (
+        bench_prefix_cache.main(
+            [
+                "--base-url",
+                fake_server.url,
+                "--tokenizer",
+                "approx",
+                "--num-requests",
+                "3",
+                "--prefix-tokens",
+                "40",
+                "--output-tokens",
+                "3",
+                "--out-dir",
+                str(d),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     table = (d / "table.md").read_text()
     assert "| on |" in table and "| off |" in table and "25.0%" in table
     assert _png(d / "compare_latency_cdf.png")

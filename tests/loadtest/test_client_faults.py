@@ -2,8 +2,6 @@
 
 import socket
 
-import pytest
-
 from loadtest.arrivals import Burst, ClosedLoop, Poisson
 from loadtest.client import ClientConfig
 from loadtest.metrics import aggregate
@@ -33,8 +31,13 @@ def test_faults_are_errors_by_kind(fake_server):
     assert by_id["no_done-6"].error_kind == "no_done"
     assert by_id["short-7"].error_kind == "short_output"
     a = aggregate(out.records, out.duration_s)
-    assert a["errors_by_kind"] == {"http_500": 1, "no_done": 1, "short_output": 1,
-                                   "stream_dropped": 2, "stream_error": 1}
+    assert a["errors_by_kind"] == {
+        "http_500": 1,
+        "no_done": 1,
+        "short_output": 1,
+        "stream_dropped": 2,
+        "stream_error": 1,
+    }
     ok = by_id["ok-0"]
     assert ok.usage_reported and ok.output_tokens == 10 and ok.prompt_tokens == 7 and ok.cached_tokens == 3
     assert not by_id["nousage-2"].usage_reported and by_id["nousage-2"].output_tokens == 10

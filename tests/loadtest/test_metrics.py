@@ -8,9 +8,17 @@ from loadtest.records import RequestRecord
 
 def rec(i, start, ttft, gaps, tokens=None, success=True, kind=None):
     latency = ttft + sum(gaps)
-    r = RequestRecord(id=f"r{i}", start=start, ttft=ttft, itl=list(gaps), latency=latency,
-                      chunk_tokens=[1] * (len(gaps) + 1), output_tokens=tokens or len(gaps) + 1,
-                      prompt_tokens=10, success=success)
+    r = RequestRecord(
+        id=f"r{i}",
+        start=start,
+        ttft=ttft,
+        itl=list(gaps),
+        latency=latency,
+        chunk_tokens=[1] * (len(gaps) + 1),
+        output_tokens=tokens or len(gaps) + 1,
+        prompt_tokens=10,
+        success=success,
+    )
     if not success:
         r.fail(kind, "x")
     return r
@@ -40,10 +48,10 @@ def test_percentiles_linear_interpolation():
 
 def test_aggregate_goodput_throughput_and_errors():
     records = [
-        rec(0, 0.0, 0.100, [0.020] * 9),          # ttft 100 ms, tpot 20 ms, 10 tokens: good
-        rec(1, 0.5, 0.300, [0.020] * 9),          # ttft 300 ms: misses the TTFT SLO
-        rec(2, 1.0, 0.100, [0.050] * 9),          # tpot 50 ms: misses the TPOT SLO
-        rec(3, 1.5, 0.150, []),                   # one token, no TPOT: good
+        rec(0, 0.0, 0.100, [0.020] * 9),  # ttft 100 ms, tpot 20 ms, 10 tokens: good
+        rec(1, 0.5, 0.300, [0.020] * 9),  # ttft 300 ms: misses the TTFT SLO
+        rec(2, 1.0, 0.100, [0.050] * 9),  # tpot 50 ms: misses the TPOT SLO
+        rec(3, 1.5, 0.150, []),  # one token, no TPOT: good
         rec(4, 1.6, 0.050, [0.01], success=False, kind="stream_dropped"),
         rec(5, 1.7, 0.050, [0.01], success=False, kind="http_500"),
         rec(6, 1.8, 0.050, [0.01], success=False, kind="http_500"),
@@ -58,9 +66,9 @@ def test_aggregate_goodput_throughput_and_errors():
     assert a["output_tok_s"] == pytest.approx(15.5)
     assert a["total_tok_s"] == pytest.approx(35.5)
     assert a["req_s"] == pytest.approx(2.0)
-    assert a["ttft_ms"]["p50"] == pytest.approx(125.0)   # of 100, 300, 100, 150
-    assert a["tpot_ms"]["p50"] == pytest.approx(20.0)    # of 20, 20, 50
-    assert a["tpot_ms"]["p99"] == pytest.approx(49.4)    # 20 + 0.98 * 30
+    assert a["ttft_ms"]["p50"] == pytest.approx(125.0)  # of 100, 300, 100, 150
+    assert a["tpot_ms"]["p50"] == pytest.approx(20.0)  # of 20, 20, 50
+    assert a["tpot_ms"]["p99"] == pytest.approx(49.4)  # 20 + 0.98 * 30
     assert a["tpot_ms"]["mean"] == pytest.approx(30.0)
     assert a["itl_ms"]["count"] == 27
     # no SLO given: every success is good

@@ -43,9 +43,10 @@ def test_uniform_ranges():
     assert all(20 - 12 <= s.prompt_tokens <= 600 for s in specs)  # cut at a word: just under target
     assert all(10 <= s.max_tokens <= 500 for s in specs)
     assert 250 <= sum(s.prompt_tokens for s in specs) / len(specs) <= 350  # uniform: mean near 310
-    assert 200 <= sum(s.max_tokens for s in specs) / len(specs) <= 310     # near 255
-    narrow = build(WorkloadConfig("uniform", num_requests=20, seed=4, prompt_range=(50, 60),
-                                  output_range=(7, 7)), APPROX)
+    assert 200 <= sum(s.max_tokens for s in specs) / len(specs) <= 310  # near 255
+    narrow = build(
+        WorkloadConfig("uniform", num_requests=20, seed=4, prompt_range=(50, 60), output_range=(7, 7)), APPROX
+    )
     assert all(50 - 12 <= s.prompt_tokens <= 60 for s in narrow) and {s.max_tokens for s in narrow} == {7}
 
 
@@ -63,7 +64,7 @@ def test_token_ids_plain_and_exact_length():
         ids = workloads.token_ids(s, tok)
         assert len(ids) == s.prompt_tokens  # no special tokens; same count as the workload's
         assert workloads.token_ids(s, tok, 40) == (ids + ids)[:40]  # filled from the prompt's start
-        assert workloads.token_ids(s, tok, 12) == ids[:12]          # or cut
+        assert workloads.token_ids(s, tok, 12) == ids[:12]  # or cut
     chat = build(WorkloadConfig("multi-turn", num_requests=2, seed=0, turns=1), TokenCounter(1.0))[0]
     assert len(workloads.token_ids(chat, tok)) == chat.prompt_tokens  # messages joined
     with pytest.raises(ValueError):

@@ -6,8 +6,8 @@ model costs ~30-60 s here), with two applications:
     2 queued in the router), 64 KiB body limit, 8 s request timeout.
 Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import httpx
 import pytest
@@ -33,16 +33,30 @@ def serve_cluster():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         main_cfg = AppConfig(**BASE, num_replicas=2)
-        strict_cfg = AppConfig(**BASE, num_replicas=1, api_key=STRICT_KEY, max_num_seqs=2,
-                               max_queued_requests_per_replica=1, max_queued_requests=2,
-                               max_request_body_bytes=64 << 10, request_timeout_s=8.0)
+        strict_cfg = AppConfig(
+            **BASE,
+            num_replicas=1,
+            api_key=STRICT_KEY,
+            max_num_seqs=2,
+            max_queued_requests_per_replica=1,
+            max_queued_requests=2,
+            max_request_body_bytes=64 << 10,
+            request_timeout_s=8.0,
+        )
         handle = serve.run(build_app(main_cfg), name="main", route_prefix="/")
         strict = serve.run(build_app(strict_cfg), name="strict", route_prefix="/strict")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
         wait_healthy(f"{url}/strict")
-        yield {"url": url, "strict_url": f"{url}/strict", "handle": handle, "strict_handle": strict,
-               "main_cfg": main_cfg, "strict_cfg": strict_cfg, "strict_key": STRICT_KEY}
+        yield {
+            "url": url,
+            "strict_url": f"{url}/strict",
+            "handle": handle,
+            "strict_handle": strict,
+            "main_cfg": main_cfg,
+            "strict_cfg": strict_cfg,
+            "strict_key": STRICT_KEY,
+        }
     finally:
         try:
             serve.shutdown()

@@ -1,6 +1,7 @@
 """What the router's cancellation relies on, without Ray: dropping an AsyncEngine token stream
 (the replica's generator closed or cancelled) aborts the request before the next steps and every
 KV block returns to the pool."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,10 +48,12 @@ def test_dropped_token_stream_aborts(engine, how):
                     break
             await stream.aclose()
         else:
+
             async def reader():
                 nonlocal n
                 async for out in stream:
                     n += len(out.new_token_ids)
+
             task = asyncio.create_task(reader())
             while n < 3:
                 await asyncio.sleep(0.01)

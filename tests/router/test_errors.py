@@ -1,4 +1,5 @@
 """Bad input gets a 4xx in the OpenAI error shape, and the server keeps serving others meanwhile."""
+
 from __future__ import annotations
 
 import threading
@@ -26,9 +27,12 @@ def background_stream(base_url):
 
     def run():
         text = ""
-        with httpx.stream("POST", f"{base_url}/v1/completions", timeout=300,
-                          json={"prompt": "Tell me a story.", "max_tokens": 48, "temperature": 0,
-                                "ignore_eos": True, "stream": True}) as s:
+        with httpx.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            timeout=300,
+            json={"prompt": "Tell me a story.", "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True},
+        ) as s:
             for line in s.iter_lines():
                 text += line
         result["ok"] = s.status_code == 200 and "[DONE]" in text and '"finish_reason":"length"' in text
@@ -63,9 +67,16 @@ def test_bad_values(base_url):
     _check(post(base_url, json={"prompt": "hi", "max_tokens": -5}), 400, "max_tokens")
     _check(post(base_url, json={"prompt": "hi", "top_p": 2.0}), 400, "top_p")
     _check(post(base_url, json={"prompt": "", "max_tokens": 4}), 400, "prompt")
-    _check(post(base_url, json={"prompt": [10 ** 9], "max_tokens": 4}), 400, "prompt")
-    _check(post(base_url, "/v1/chat/completions",
-                json={"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}), 400, "max_tokens")
+    _check(post(base_url, json={"prompt": [10**9], "max_tokens": 4}), 400, "prompt")
+    _check(
+        post(
+            base_url,
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+        ),
+        400,
+        "max_tokens",
+    )
 
 
 def test_prompt_over_context_length(base_url):
@@ -84,21 +95,31 @@ def test_unknown_model_and_route(base_url):
 
 def test_huge_body(serve_cluster):
     url, key = serve_cluster["strict_url"], serve_cluster["strict_key"]
-    r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
-                   json={"prompt": "x" * (100 << 10), "max_tokens": 1})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=60,
+        headers={"Authorization": f"Bearer {key}"},
+        json={"prompt": "x" * (100 << 10), "max_tokens": 1},
+    )
     _check(r, 413)
 
 
 def test_non_finite_numbers(base_url, background_stream):
     """NaN and infinity in any spelling are a 400 naming the field, on both APIs."""
-    for raw in (b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}',
-                b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}',
-                b'{"prompt": "hi", "max_tokens": 2, "temperature": "NaN"}',
-                b'{"prompt": "hi", "max_tokens": 2, "top_p": -Infinity}'):
+    for raw in (
+        b'{"prompt": "hi", "max_tokens": 2, "temperature": NaN}',
+        b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}',
+        b'{"prompt": "hi", "max_tokens": 2, "temperature": "NaN"}',
+        b'{"prompt": "hi", "max_tokens": 2, "top_p": -Infinity}',
+    ):
         err = _check(post(base_url, content=raw, headers={"content-type": "application/json"}), 400)
         assert err["param"] in ("temperature", "top_p"), err
-    r = post(base_url, "/generate", content=b'{"inputs": "hi", "parameters": {"temperature": NaN}}',
-             headers={"content-type": "application/json"})
+    r = post(
+        base_url,
+        "/generate",
+        content=b'{"inputs": "hi", "parameters": {"temperature": NaN}}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
 
 
@@ -111,8 +132,11 @@ def test_deeply_nested_json(base_url):
 def test_chat_template_kwargs_cannot_replace_the_template(base_url):
     chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for key, value in (("chat_template", "{{ 'owned' }}"), ("tokenize", True), ("tools", [{"type": "function"}])):
-        err = _check(post(base_url, "/v1/chat/completions", json={**chat, "chat_template_kwargs": {key: value}}),
-                     400, "chat_template_kwargs")
+        err = _check(
+            post(base_url, "/v1/chat/completions", json={**chat, "chat_template_kwargs": {key: value}}),
+            400,
+            "chat_template_kwargs",
+        )
         assert key in err["message"]
     # Variables the template does not read are dropped, not an error (clients send them generically).
     r = post(base_url, "/v1/chat/completions", json={**chat, "chat_template_kwargs": {"enable_thinking": False}})
@@ -120,8 +144,11 @@ def test_chat_template_kwargs_cannot_replace_the_template(base_url):
 
 
 def test_content_type_must_be_json(base_url):
-    r = post(base_url, content=b'{"prompt": "hi", "max_tokens": 2}',
-             headers={"content-type": "application/x-www-form-urlencoded"})
+    r = post(
+        base_url,
+        content=b'{"prompt": "hi", "max_tokens": 2}',
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     err = _check(r, 415)
     assert "application/json" in err["message"]
     r = post(base_url, "/generate", content=b'{"inputs": "hi"}', headers={"content-type": "text/plain"})
@@ -130,8 +157,12 @@ def test_content_type_must_be_json(base_url):
 
 def test_non_ascii_authorization_is_a_401(serve_cluster):
     url = serve_cluster["strict_url"]
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30,
-                   headers=[(b"authorization", "Bearer clé-ünïcødé".encode())])
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 2},
+        timeout=30,
+        headers=[(b"authorization", "Bearer clé-ünïcødé".encode())],
+    )
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
 
 

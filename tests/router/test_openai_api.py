@@ -1,5 +1,6 @@
 """The official openai SDK against the router: completions and chat, streamed and not, n=2,
 logprobs, stop, seed, echo, usage; greedy output equal to the offline engine's."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,16 @@ def test_completion_greedy_equals_offline(client, offline_llm):
 
 def test_completion_stream_equals_non_stream(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -58,8 +67,14 @@ def test_chat_greedy_equals_offline(client, offline_llm):
 def test_chat_stream(client):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -74,14 +89,16 @@ def test_n2_and_seed(client):
     assert sorted(c.index for c in a.choices) == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     assert a.usage.completion_tokens == 24
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=8, n=2, seed=7, temperature=1.0)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, n=2, seed=7, temperature=1.0
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
 def test_n2_stream(client):
-    chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, n=2, seed=3,
-                                            temperature=1.0, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, n=2, seed=3, temperature=1.0, stream=True)
+    )
     texts = {0: "", 1: ""}
     finished = set()
     for c in chunks:
@@ -102,8 +119,14 @@ def test_logprobs(client):
     assert all(v <= 0 for v in lp.token_logprobs)
     for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert top[tok] == pytest.approx(v) and max(top.values()) == pytest.approx(v)  # greedy = top-1
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
     assert "".join(t.token for t in content) == c.choices[0].message.content
@@ -122,8 +145,7 @@ def test_stop_string(client):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=["."])
     assert r.choices[0].text == base[: base.index(".")]
     assert r.choices[0].finish_reason == "stop"
-    s = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=".",
-                                       stream=True))
+    s = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=".", stream=True))
     assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
 
 

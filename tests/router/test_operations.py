@@ -1,5 +1,6 @@
 """Operations: /health, /metrics (parsed, moving with traffic), disconnect frees KV blocks,
 overload gets 429 + Retry-After while accepted requests finish, API key, timeout, two replicas."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,16 +32,26 @@ def test_health(base_url, serve_cluster):
 
 def test_metrics_move_with_traffic(base_url):
     before = metrics(base_url)
-    for name in ("orbital:num_requests_running", "orbital:num_requests_waiting", "orbital:kv_cache_usage_perc",
-                 "orbital:prefix_cache_queries_total", "orbital:prefix_cache_hits_total",
-                 "orbital:num_preemptions_total", "orbital:prompt_tokens_total", "orbital:generation_tokens_total",
-                 "orbital:time_to_first_token_seconds_count", "orbital:inter_token_latency_seconds_count",
-                 "orbital:e2e_request_latency_seconds_count", "orbital:request_queue_time_seconds_count"):
+    for name in (
+        "orbital:num_requests_running",
+        "orbital:num_requests_waiting",
+        "orbital:kv_cache_usage_perc",
+        "orbital:prefix_cache_queries_total",
+        "orbital:prefix_cache_hits_total",
+        "orbital:num_preemptions_total",
+        "orbital:prompt_tokens_total",
+        "orbital:generation_tokens_total",
+        "orbital:time_to_first_token_seconds_count",
+        "orbital:inter_token_latency_seconds_count",
+        "orbital:e2e_request_latency_seconds_count",
+        "orbital:request_queue_time_seconds_count",
+    ):
         assert name in before, name
     prompt = "A shared prefix that is long enough to fill at least one whole KV block of sixteen tokens. " * 2
     for _ in range(2):
-        r = httpx.post(f"{base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0},
-                       timeout=60)
+        r = httpx.post(
+            f"{base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0}, timeout=60
+        )
         assert r.status_code == 200
     after = metrics(base_url)
     assert after["orbital:generation_tokens_total"] >= before["orbital:generation_tokens_total"] + 10
@@ -49,27 +60,42 @@ def test_metrics_move_with_traffic(base_url):
     assert after["orbital:inter_token_latency_seconds_count"] >= before["orbital:inter_token_latency_seconds_count"] + 8
     assert after["orbital:e2e_request_latency_seconds_count"] >= before["orbital:e2e_request_latency_seconds_count"] + 2
     assert after["orbital:prefix_cache_queries_total"] > before["orbital:prefix_cache_queries_total"]
-    assert after["orbital:request_success_total{finished_reason=length}"] >= \
-        before["orbital:request_success_total{finished_reason=length}"] + 2
+    assert (
+        after["orbital:request_success_total{finished_reason=length}"]
+        >= before["orbital:request_success_total{finished_reason=length}"] + 2
+    )
 
 
 def test_disconnect_frees_blocks(base_url):
     before = metrics(base_url)
     with httpx.Client(timeout=120) as c:
-        with c.stream("POST", f"{base_url}/v1/completions",
-                      json={"prompt": "Write a very long essay about the sea.", "max_tokens": 1000,
-                            "ignore_eos": True, "temperature": 0, "stream": True}) as s:
+        with c.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json={
+                "prompt": "Write a very long essay about the sea.",
+                "max_tokens": 1000,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as s:
             n = 0
             for line in s.iter_lines():
                 n += line.startswith("data:")
                 if n >= 3:
                     break
     # The client is gone: the request is aborted and every KV block returns to the pool.
-    after = _wait(lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
-                  and m["orbital:kv_cache_usage_perc"] == 0.0 and m)
+    after = _wait(
+        lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
+        and m["orbital:kv_cache_usage_perc"] == 0.0
+        and m
+    )
     assert after, metrics(base_url)
-    assert after["orbital:request_success_total{finished_reason=abort}"] == \
-        before["orbital:request_success_total{finished_reason=abort}"] + 1
+    assert (
+        after["orbital:request_success_total{finished_reason=abort}"]
+        == before["orbital:request_success_total{finished_reason=abort}"] + 1
+    )
     generated = after["orbital:generation_tokens_total"] - before["orbital:generation_tokens_total"]
     assert generated < 200  # stopped long before max_tokens
 
@@ -79,10 +105,12 @@ async def _overload(url: str, key: str, n: int):
     body = {"prompt": "Count to twenty:", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
 
     async with httpx.AsyncClient(timeout=120, headers=headers) as c:
+
         async def one():
             t = time.monotonic()
             r = await c.post(f"{url}/v1/completions", json=body)
             return r, time.monotonic() - t
+
         return await asyncio.gather(*(one() for _ in range(n)))
 
 
@@ -120,8 +148,12 @@ def test_request_timeout(serve_cluster):
     url, key = serve_cluster["strict_url"], serve_cluster["strict_key"]
     headers = {"Authorization": f"Bearer {key}"}
     t = time.monotonic()
-    r = httpx.post(f"{url}/v1/completions", timeout=120, headers=headers,
-                   json={"prompt": "Go on forever:", "max_tokens": 1200, "ignore_eos": True})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        headers=headers,
+        json={"prompt": "Go on forever:", "max_tokens": 1200, "ignore_eos": True},
+    )
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
     assert time.monotonic() - t < 30
     done = _wait(lambda: metrics(url, headers)["orbital:num_requests_running"] == 0)
@@ -131,10 +163,17 @@ def test_request_timeout(serve_cluster):
 def test_two_replicas_share_load(serve_cluster, base_url):
     async def burst():
         async with httpx.AsyncClient(timeout=120) as c:
-            rs = await asyncio.gather(*(c.post(f"{base_url}/v1/completions",
-                                               json={"prompt": f"Number {i}:", "max_tokens": 6, "ignore_eos": True})
-                                        for i in range(8)))
+            rs = await asyncio.gather(
+                *(
+                    c.post(
+                        f"{base_url}/v1/completions",
+                        json={"prompt": f"Number {i}:", "max_tokens": 6, "ignore_eos": True},
+                    )
+                    for i in range(8)
+                )
+            )
             return [r.status_code for r in rs]
+
     assert asyncio.run(burst()) == [200] * 8
     counts = serve_cluster["handle"].routed_counts.remote().result()
     assert len(counts) == 2 and all(v >= 2 for v in counts.values()), counts
@@ -153,6 +192,7 @@ def test_pinned_calls_reach_their_replica_under_concurrency(serve_cluster):
         targets = [ids[i % 2] for i in range(60)]
         got = await asyncio.gather(*(engine.stats.remote(replica_id=t) for t in targets))
         return [(t, g["replica_id"]) for t, g in zip(targets, got)]
+
     pairs = asyncio.run(burst())
     assert all(t == g for t, g in pairs), [p for p in pairs if p[0] != p[1]]
 
@@ -163,8 +203,13 @@ def test_disconnects_leave_other_streams_alone(base_url):
     request that left is aborted at once (Serve cancels a cancelled request's calls: the
     channel and `abort` must not be among them)."""
     before = metrics(base_url)
-    body = {"max_tokens": 40, "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
     async def run():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -173,8 +218,9 @@ def test_disconnects_leave_other_streams_alone(base_url):
 
             async def client(i: int, leave: bool):
                 tokens = 0
-                async with c.stream("POST", f"{base_url}/v1/completions",
-                                    json={**body, "prompt": f"Tell a story, number {i}:"}) as s:
+                async with c.stream(
+                    "POST", f"{base_url}/v1/completions", json={**body, "prompt": f"Tell a story, number {i}:"}
+                ) as s:
                     async for line in s.aiter_lines():
                         if not line.startswith("data: {"):
                             continue
@@ -195,8 +241,14 @@ def test_disconnects_leave_other_streams_alone(base_url):
             return await asyncio.gather(*stayers)
 
     assert asyncio.run(run()) == [40] * 4
-    after = _wait(lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
-                  and m["orbital:kv_cache_usage_perc"] == 0.0 and m, timeout=10)
+    after = _wait(
+        lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
+        and m["orbital:kv_cache_usage_perc"] == 0.0
+        and m,
+        timeout=10,
+    )
     assert after, metrics(base_url)
-    assert after["orbital:request_success_total{finished_reason=abort}"] == \
-        before["orbital:request_success_total{finished_reason=abort}"] + 2
+    assert (
+        after["orbital:request_success_total{finished_reason=abort}"]
+        == before["orbital:request_success_total{finished_reason=abort}"] + 2
+    )

@@ -3,6 +3,7 @@ the router's channel consumer (reopens while requests remain, fails them when th
 them or died), the router's own count of running requests per replica, and a real
 EngineReplica driven directly: one message carries several requests, the channel ends by itself,
 `finish` and `abort` end a request and free its KV blocks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ def test_outbox_batches_until_idle():
         async def read():
             async for payload in box.messages():
                 got.append(decode(payload).outputs)
+
         reader = asyncio.create_task(read())
         await asyncio.sleep(0)
         box.put("a1")
@@ -60,13 +62,15 @@ class _FakeChannelHandle:
                 if isinstance(b, BaseException):
                     raise b
                 yield encode(StepOutputs(b))
+
         return gen()
 
 
 def _channels(script):
     handle, seen, errors = _FakeChannelHandle(script), [], []
-    chans = OutputReader(handle, lambda rep, msg: seen.append((rep, msg.outputs)),
-                            lambda rep, ids, e: errors.append((rep, ids, e)))
+    chans = OutputReader(
+        handle, lambda rep, msg: seen.append((rep, msg.outputs)), lambda rep, ids, e: errors.append((rep, ids, e))
+    )
     return handle, chans, seen, errors
 
 
@@ -117,6 +121,7 @@ def test_local_load_counts_routed_requests():
 
 
 # --- a real engine replica, driven without Serve -------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def replica():
@@ -176,8 +181,11 @@ def test_replica_finish_and_abort_end_the_request(replica, how):
         async for payload in replica.output_channel("router-b"):
             n += sum(len(o.new_token_ids) for o in decode(payload).outputs)
             if n >= 3 and f"long-{how}" in replica._jobs:
-                await (replica.finish(FinishSequences([f"long-{how}"])) if how == "finish"
-                       else replica.abort(AbortRequest(f"long-{how}")))
+                await (
+                    replica.finish(FinishSequences([f"long-{how}"]))
+                    if how == "finish"
+                    else replica.abort(AbortRequest(f"long-{how}"))
+                )
         s = await _idle(replica)
         return before, steps, s
 

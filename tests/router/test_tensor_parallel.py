@@ -1,6 +1,7 @@
 """A tensor-parallel engine replica behind the router: one Serve replica, one placement group
 (STRICT_PACK) of 3 bundles, 3 TPWorker ranks (SmolLM2: 9 heads, 3 KV heads); greedy output
 equals the tp=1 app's."""
+
 from __future__ import annotations
 
 import httpx

@@ -1,4 +1,5 @@
 """huggingface_hub.InferenceClient against the TGI routes, streamed and not; /generate, /info."""
+
 from __future__ import annotations
 
 import httpx
@@ -18,8 +19,9 @@ def test_text_generation(hf, base_url):
     text = hf.text_generation(PROMPT, max_new_tokens=12)
     assert isinstance(text, str) and text
     # do_sample=False is greedy: the same as the OpenAI route at temperature 0
-    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0},
-                   timeout=120).json()
+    r = httpx.post(
+        f"{base_url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, "temperature": 0}, timeout=120
+    ).json()
     assert text == r["choices"][0]["text"]
 
 
@@ -52,8 +54,9 @@ def test_stop_sequence_kept(hf):
 def test_generate_routes(base_url):
     r = httpx.post(f"{base_url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 4}}, timeout=60)
     assert r.status_code == 200 and set(r.json()) == {"generated_text"}
-    with httpx.stream("POST", f"{base_url}/generate_stream",
-                      json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}, timeout=60) as s:
+    with httpx.stream(
+        "POST", f"{base_url}/generate_stream", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 3}}, timeout=60
+    ) as s:
         events = [line for line in s.iter_lines() if line.startswith("data:")]
     assert len(events) == 3 and '"generated_text":null' not in events[-1]
     info = httpx.get(f"{base_url}/info", timeout=30).json()

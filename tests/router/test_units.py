@@ -1,5 +1,6 @@
 """Fast checks of the router's parts without Ray: metrics text, queues, config, error mapping,
 request models, TGI parameter mapping, replica ranking, the Serve YAML."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,14 +11,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from engine.errors import EngineDeadError, InvalidRequestError
-from router.backpressure import OverloadedError, ReplicaQueue, IngressQueue
+from router.backpressure import IngressQueue, OverloadedError, ReplicaQueue
 from router.config import AppConfig
 from router.ingress.errors import APIError, to_api_error
-from router.metrics import HISTOGRAMS, Histogram, new_histograms, render
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest
-from router.replica_choice.least_loaded import replica_load
 from router.ingress.tgi_api import sampling_params
 from router.ingress.tgi_models import GenerateParameters
+from router.metrics import HISTOGRAMS, Histogram, new_histograms, render
+from router.replica_choice.least_loaded import replica_load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,10 +27,20 @@ def _replica(**kw):
     h = new_histograms()
     h["time_to_first_token_seconds"].observe(0.03)
     h["e2e_request_latency_seconds"].observe(1.2)
-    s = {"num_running": 2, "num_waiting": 1, "blocks_used": 10, "num_blocks": 100, "prompt_tokens": 50,
-         "generation_tokens": 20, "prefix_cache_queries": 64, "prefix_cache_hits": 16, "num_preemptions": 1,
-         "finished": {"length": 3, "abort": 1}, "queue": {"rejected": 2},
-         "histograms": {k: v.to_dict() for k, v in h.items()}}
+    s = {
+        "num_running": 2,
+        "num_waiting": 1,
+        "blocks_used": 10,
+        "num_blocks": 100,
+        "prompt_tokens": 50,
+        "generation_tokens": 20,
+        "prefix_cache_queries": 64,
+        "prefix_cache_hits": 16,
+        "num_preemptions": 1,
+        "finished": {"length": 3, "abort": 1},
+        "queue": {"rejected": 2},
+        "histograms": {k: v.to_dict() for k, v in h.items()},
+    }
     s.update(kw)
     return s
 
@@ -37,8 +48,11 @@ def _replica(**kw):
 def test_metrics_render_parses_and_aggregates():
     text = render("m", [_replica(), _replica(blocks_used=30)], {"in_flight": 3, "queued": 1, "rejected": 1})
     fams = {f.name: f for f in text_string_to_metric_families(text.decode())}
-    val = {s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
-           for f in fams.values() for s in f.samples}
+    val = {
+        s.name + str(sorted((k, v) for k, v in s.labels.items() if k != "model_name")): s.value
+        for f in fams.values()
+        for s in f.samples
+    }
     assert val["orbital:num_requests_running[]"] == 4
     assert val["orbital:kv_cache_usage_perc[]"] == pytest.approx(0.2)
     assert val["orbital:prompt_tokens_total[]"] == 100
@@ -84,7 +98,9 @@ def test_queues():
 def test_error_mapping():
     assert to_api_error(InvalidRequestError("bad", param="n")).status == 400
     e = to_api_error(OverloadedError("busy"))
-    assert e.status == 429 and e.headers["Retry-After"] == "1" and e.openai_body()["error"]["type"] == "rate_limit_error"
+    assert (
+        e.status == 429 and e.headers["Retry-After"] == "1" and e.openai_body()["error"]["type"] == "rate_limit_error"
+    )
     assert to_api_error(EngineDeadError("x")).status == 503
     assert to_api_error(TimeoutError()).status == 504
     assert to_api_error(RuntimeError("boom")).status == 500
@@ -99,7 +115,8 @@ def test_request_models():
     r = CompletionRequest.model_validate({"prompt": [1, 2, 3], "unknown_field": 1})
     assert r.prompt == [1, 2, 3] and r.max_tokens == 16
     c = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    )
     assert c.messages[0].text() == "ab" and c.max_tokens is None
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"messages": []})
@@ -135,7 +152,9 @@ def test_config_and_yaml():
     raw = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     from ray.serve.schema import ServeDeploySchema
 
-    ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
+    ServeDeploySchema.model_validate(raw) if hasattr(
+        ServeDeploySchema, "model_validate"
+    ) else ServeDeploySchema.parse_obj(raw)
     app = raw["applications"][0]
     assert app["import_path"] == "router.app:app_builder"
     assert AppConfig(**app["args"]).model_name == "SmolLM2-135M-Instruct"

@@ -1,5 +1,6 @@
 """Fixtures for tensor-parallel tests: a local Ray per module, tiny random Llamas saved as real
 HF directories, and transformers references. Every fixture shuts down what it starts."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,8 +8,15 @@ import shutil
 import pytest
 import torch
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+)
 
 
 def save_tiny_llama(path, seed: int = 0, tokenizer_from=None, **overrides):
@@ -39,8 +47,13 @@ def tiny_llama_dir(tmp_path_factory, smollm_dir):
 @pytest.fixture(scope="session")
 def tiny_mqa_dir(tmp_path_factory, smollm_dir):
     """4 heads, 1 KV head: at tp=2 each rank must hold a replica of the single KV head."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-mqa"), seed=1, tokenizer_from=smollm_dir,
-                           num_attention_heads=4, num_key_value_heads=1)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-mqa"),
+        seed=1,
+        tokenizer_from=smollm_dir,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +75,17 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, hf_model
     model = hf_model or AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     for p in prompts:
-        g = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True, eos_token_id=eos_token_id, pad_token_id=eos_token_id or 0)
-        ids = g.sequences[0, len(p):].tolist()
+        g = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id or 0,
+        )
+        ids = g.sequences[0, len(p) :].tolist()
         lps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(g.logits, ids)]
         out.append((ids, lps))
     return out
@@ -74,5 +95,12 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int, hf_model
 def tiny_biased_dir(tmp_path_factory, smollm_dir):
     """Biases everywhere (column and row parallel; the row bias must be added once) and tied
     embeddings (the vocab-parallel embedding doubles as the LM head)."""
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-biased"), seed=2, tokenizer_from=smollm_dir,
-                           attention_bias=True, mlp_bias=True, tie_word_embeddings=True, vocab_size=509)
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-biased"),
+        seed=2,
+        tokenizer_from=smollm_dir,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+        vocab_size=509,
+    )

@@ -2,6 +2,7 @@
 never a hang: a remote rank (actor) killed or raising mid-generation while rank 0, in the
 driver, is blocked in a collective with it, or rank 0 itself raising while the remote rank
 waits on it. The broken group is torn down and a new one can take its place."""
+
 from __future__ import annotations
 
 import re
@@ -38,6 +39,7 @@ def _break_during_generation(llm: LLM, how: str):
         if how == "kill":
             ray.kill(ex.workers[0])  # rank 1
         elif how == "raise":  # from outside: rank 1's model runner raises on its next step
+
             def raise_once(worker):  # runs inside the actor (nested: pickled by value)
                 import weakref
 
@@ -49,7 +51,9 @@ def _break_during_generation(llm: LLM, how: str):
                 def broken(so):
                     del runner().execute_model  # the class's method again
                     raise RuntimeError("injected fault")
+
                 worker.runner.execute_model = broken
+
             ray.get(ex.workers[0].__ray_call__.remote(raise_once))
         else:  # rank 0, in this process, raises inside its model step
             runner, inner = ex.rank0.runner, ex.rank0.runner.execute_model
@@ -57,23 +61,32 @@ def _break_during_generation(llm: LLM, how: str):
             def broken(so):
                 runner.execute_model = inner
                 raise RuntimeError("injected driver fault")
+
             runner.execute_model = broken
         hit["t"] = time.monotonic()
 
     th = threading.Thread(target=breaker, daemon=True)
     th.start()
     with pytest.raises(EngineDeadError) as err:
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 4, SamplingParams(temperature=0, max_tokens=480), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [1, 2, 3]}] * 4, SamplingParams(temperature=0, max_tokens=480), use_tqdm=False
+        )
     elapsed = time.monotonic() - hit["t"]
     th.join()
     return err.value, elapsed
 
 
-@pytest.mark.parametrize("how,message", [
-    ("kill", "tensor-parallel rank 1 of 2 died"),
-    ("raise", "tensor-parallel rank 1 of 2 failed: RuntimeError: tensor-parallel rank 1 failed: RuntimeError: injected fault"),
-    ("driver", "tensor-parallel rank 0 of 2 (in the driver) failed: RuntimeError: injected driver fault"),
-])
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("kill", "tensor-parallel rank 1 of 2 died"),
+        (
+            "raise",
+            "tensor-parallel rank 1 of 2 failed: RuntimeError: tensor-parallel rank 1 failed: RuntimeError: injected fault",
+        ),
+        ("driver", "tensor-parallel rank 0 of 2 (in the driver) failed: RuntimeError: injected driver fault"),
+    ],
+)
 def test_broken_rank_is_a_clear_error_within_seconds(ray_one_cpu, tiny_llama_dir, how, message):
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **ARGS)
     try:

@@ -3,6 +3,7 @@ group's remote ranks must land on its driver's node: an offline LLM's on the nod
 process (even the smallest), and two engine replicas' (actors, as Serve runs them, each in its
 own STRICT_PACK placement group with bundle 0 for itself) on two different nodes, serving
 correctly at the same time."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import SamplingParams
-from workers import LLM
 from tests.workers.conftest import hf_greedy
+from workers import LLM
 
 ARGS = dict(dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=8, num_threads=1)
 PROMPTS = [[10, 20, 30, 40, 50], list(range(100, 125)), [9]]
@@ -37,8 +38,9 @@ def three_nodes():
 
 
 def _ids(llm):
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10),
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=10), use_tqdm=False
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -81,8 +83,12 @@ def test_remote_ranks_land_on_the_drivers_node(three_nodes, tiny_llama_dir):
     replicas = []
     try:
         ray.get([pg.ready() for pg in pgs], timeout=60)
-        replicas = [Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
-                    .remote() for pg in pgs]
+        replicas = [
+            Replica.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            ).remote()
+            for pg in pgs
+        ]
         infos = ray.get([r.start.remote(str(tiny_llama_dir)) for r in replicas], timeout=180)
         group_nodes = [{i["node_id"] for i in info} for info in infos]
         assert all(len(g) == 1 for g in group_nodes), group_nodes  # remote rank beside its driver

@@ -1,12 +1,13 @@
 """`LLM(model, tensor_parallel_size=2)` with no Ray running starts a local Ray, serves, and
 shuts down what it started."""
+
 from __future__ import annotations
 
 import ray
 
 from engine import SamplingParams
-from workers import LLM
 from tests.workers.conftest import hf_greedy
+from workers import LLM
 
 
 def test_offline_llm_starts_and_stops_its_own_ray(tiny_llama_dir):
@@ -19,7 +20,9 @@ def test_offline_llm_starts_and_stops_its_own_ray(tiny_llama_dir):
         assert ray.is_initialized()
         ex = llm.engine.core.executor
         assert type(ex).__name__ == "RayExecutor"
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+        )
         assert [o.outputs[0].token_ids for o in outs] == expected
     finally:
         llm.shutdown()

@@ -2,6 +2,7 @@
 placement group; several groups in one process (and node) rendezvous on their own ports; an
 executor started inside a placement group (as in a Ray Serve replica with
 placement_group_bundles) keeps bundle 0 for itself and puts the remote ranks in the others."""
+
 from __future__ import annotations
 
 import threading
@@ -11,15 +12,17 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import SamplingParams
-from workers import LLM
 from tests.workers.conftest import hf_greedy
+from workers import LLM
 
 ARGS = dict(dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=8, num_threads=1)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]]
 
 
 def _ids(llm, prompts, new=8):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=new), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=new), use_tqdm=False
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -64,7 +67,11 @@ class FakeReplica:
         torch.set_num_threads(1)
         llm = LLM(model_dir, tensor_parallel_size=2, **ARGS)
         try:
-            return _ids(llm, prompts), llm.engine.core.executor.worker_info(), ray.get_runtime_context().get_placement_group_id()
+            return (
+                _ids(llm, prompts),
+                llm.engine.core.executor.worker_info(),
+                ray.get_runtime_context().get_placement_group_id(),
+            )
         finally:
             llm.shutdown()
 
@@ -74,7 +81,9 @@ def test_executor_uses_the_callers_placement_group(ray_local, tiny_llama_dir):
     pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_PACK")
     ray.get(pg.ready(), timeout=60)
     try:
-        replica = FakeReplica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote()
+        replica = FakeReplica.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        ).remote()
         got, info, replica_pg = ray.get(replica.run.remote(str(tiny_llama_dir), PROMPTS), timeout=180)
         assert got == expected
         assert replica_pg == pg.id.hex()

@@ -1,18 +1,18 @@
 """Tensor parallel (rank 0 in the driver, ranks 1.. as Ray actors) gives the same greedy tokens
 as tp=1 and as transformers (float32), logprobs within 1e-3, with prefix caching and chunked
 prefill on; shards are 1/tp on every rank, the driver's rank 0 included."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 
 from engine import SamplingParams
-from workers import LLM
 from engine.errors import InvalidRequestError
 from engine.model.loader import parameter_bytes
 from tests.workers.conftest import hf_greedy
+from workers import LLM
 
 NEW = 12
 SHARED = list(range(40, 80))  # 10 blocks of 4: later prompts hit the prefix cache
@@ -24,8 +24,9 @@ PROMPTS = [
     list(range(300, 350)),  # several chunks of 16 tokens
     SHARED + [500, 501, 502, 503, 504, 505],
 ]
-TINY_ARGS = dict(dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=16,
-                 enable_prefix_caching=True, num_threads=1)
+TINY_ARGS = dict(
+    dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=16, enable_prefix_caching=True, num_threads=1
+)
 
 
 def _generate(llm: LLM, prompts, new=NEW):
@@ -171,8 +172,14 @@ def test_smollm2_tp3_matches_tp1_and_transformers(ray_local, smollm_dir, smollm_
     ids = [smollm_tokenizer(p).input_ids for p in SMOL_PROMPTS]
     new = 16
     expected = hf_greedy(smollm_dir, ids, new, hf_model=hf_smollm, eos_token_id=smollm_tokenizer.eos_token_id)
-    args = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=8,
-                enable_prefix_caching=True, num_threads=1)
+    args = dict(
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory_bytes=16 << 20,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=True,
+        num_threads=1,
+    )
     params = SamplingParams(temperature=0, max_tokens=new, logprobs=0)
 
     def run(llm):

@@ -5,6 +5,7 @@ mixed batch of decode tokens and prefill chunks. Fast kernels (the C++ CPU ops, 
 CUDA kernel) override `decode`/`prefill` of the reference; they are optional imports and are
 tested against the reference backend.
 """
+
 from __future__ import annotations
 
 import abc

@@ -1,5 +1,6 @@
 """CPU backend: cache writes, decode rows and prompt chunks through the C++ ops (PyTorch's
 reference path wherever an op does not apply)."""
+
 from __future__ import annotations
 
 import torch
@@ -26,25 +27,37 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
         else:
             super().write_kv(kv_cache, k, v, slot_mapping)
 
-    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
         nd = meta.num_decode_tokens
         if nd == 0:
             return
         if q.device.type != "cpu":  # get_backend refuses this; the step built no decode buckets to fall back on
             raise RuntimeError(f"cpu_paged attention got {q.device} tensors; it runs on CPU only")
-        out[:nd] = self.kernel.paged_decode(q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1],
-                                            meta.decode_block_table, meta.decode_seq_lens, scale).to(out.dtype)
+        out[:nd] = self.kernel.paged_decode(
+            q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale
+        ).to(out.dtype)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         if not meta.prefills:
             return
         if q.device.type == "cpu" and meta.prefill_info is not None:
             qc = q.to(kv_cache.dtype).contiguous()
             direct = out.is_contiguous() and out.dtype == qc.dtype
             o = out if direct else torch.empty_like(qc)
-            if self.kernel.prefill_attention(qc, kv_cache[0], kv_cache[1], meta.prefill_block_table,
-                                             meta.prefill_info, scale, o):
+            if self.kernel.prefill_attention(
+                qc, kv_cache[0], kv_cache[1], meta.prefill_block_table, meta.prefill_info, scale, o
+            ):
                 if not direct:
                     rows = slice(meta.num_decode_tokens, None)
                     out[rows] = o[rows].to(out.dtype)

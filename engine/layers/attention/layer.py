@@ -1,4 +1,5 @@
 """The attention layer: holds its KV cache view and calls the step's backend."""
+
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,9 @@ from engine.layers.attention.selector import get_backend
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
         self.backend = backend or get_backend()

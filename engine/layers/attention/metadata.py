@@ -4,6 +4,7 @@ Token order in a step: all decode tokens first (one per request), then prefill c
 Decode requests are grouped into length buckets so padding to the longest context in a
 group stays small; each bucket's block table and mask are built once per step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

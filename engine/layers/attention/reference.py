@@ -5,6 +5,7 @@ dim 2 yields K as [Hkv, b, L, D] contiguous, which SDPA and matmul use without a
 GQA without copying K/V: the G query heads that share one KV head are laid out as G query
 rows against that head.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,9 @@ def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int) -> 
     return cache.view(hkv, nb, bs * d).index_select(1, flat_block_ids).view(hkv, b, -1, d)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [Hkv, b, G, D], k/v [Hkv, b, L, D], mask [b, 1, L] bool -> [Hkv, b, G, D].
 
     Two small matmuls with a float32 softmax: for a handful of query rows per sequence this
@@ -39,8 +42,15 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 class ReferenceAttentionBackend(AttentionBackend):
     name = "reference"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         self.decode(q, kv_cache, meta, scale, out)
@@ -50,7 +60,9 @@ class ReferenceAttentionBackend(AttentionBackend):
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         write_kv(kv_cache, k, v, slot_mapping)
 
-    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
         t, hq, d = q.shape
         hkv = kv_cache.shape[1]
         g = hq // hkv
@@ -62,8 +74,16 @@ class ReferenceAttentionBackend(AttentionBackend):
             o = decode_attention(qb, kb, vb, bk.mask, scale)  # [Hkv, b, G, D]
             out[bk.start : bk.end] = o.transpose(0, 1).reshape(b, hq, d)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         t, hq, d = q.shape
         hkv = kv_cache.shape[1]
         g = hq // hkv
@@ -72,8 +92,13 @@ class ReferenceAttentionBackend(AttentionBackend):
             rows = slice(pc.start, pc.start + n)
             if pc.mask is None:  # no cached context: plain causal attention over the chunk
                 o = F.scaled_dot_product_attention(
-                    q[rows].transpose(0, 1).unsqueeze(0), k[rows].transpose(0, 1).unsqueeze(0),
-                    v[rows].transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+                    q[rows].transpose(0, 1).unsqueeze(0),
+                    k[rows].transpose(0, 1).unsqueeze(0),
+                    v[rows].transpose(0, 1).unsqueeze(0),
+                    is_causal=True,
+                    scale=scale,
+                    enable_gqa=True,
+                )
                 out[rows] = o[0].transpose(0, 1)
                 continue
             # [n, Hq, D] -> [Hkv, G*n, D]: head h = kv*G + g, query rows grouped per g.
@@ -82,5 +107,7 @@ class ReferenceAttentionBackend(AttentionBackend):
             kp = gather_blocks(kv_cache[0], pc.block_ids, 1)[:, 0, :total].to(q.dtype)
             vp = gather_blocks(kv_cache[1], pc.block_ids, 1)[:, 0, :total].to(q.dtype)
             mask = pc.mask.repeat(g, 1)  # same causal pattern for each of the G heads
-            o = F.scaled_dot_product_attention(qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(
+                qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale
+            )
             out[rows] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)

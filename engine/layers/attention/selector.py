@@ -1,4 +1,5 @@
 """The choice of attention backend at start-up (`get_backend`)."""
+
 from __future__ import annotations
 
 import os
@@ -31,11 +32,15 @@ def get_backend(name: str | None = None, device: torch.device | str | None = Non
     if name == "auto":
         name = _auto_name(device)
     elif name == "cpu_paged" and device.type != "cpu":
-        raise ValueError(f"the cpu_paged attention backend runs on CPU only, the model is on {device}; "
-                         "use auto, triton_paged or reference")
+        raise ValueError(
+            f"the cpu_paged attention backend runs on CPU only, the model is on {device}; "
+            "use auto, triton_paged or reference"
+        )
     elif name == "triton_paged" and device.type != "cuda":
-        raise ValueError(f"the triton_paged attention backend runs on CUDA only, the model is on {device}; "
-                         "use auto, cpu_paged or reference")
+        raise ValueError(
+            f"the triton_paged attention backend runs on CUDA only, the model is on {device}; "
+            "use auto, cpu_paged or reference"
+        )
     if name not in _INSTANCES:
         _INSTANCES[name] = _make(name)
     return _INSTANCES[name]

@@ -6,6 +6,7 @@ heads sharing that KV head become G rows per token, so GQA costs no K/V copies a
 row still fills a tensor-core tile (BLOCK_M >= 16). The same kernel serves decode rows
 (one new token each) and prompt chunks (many; causal over cached + new positions).
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,12 +16,32 @@ import triton.language as tl
 
 @triton.jit
 def _paged_attention(
-    q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, info_ptr, scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kh, stride_kb, stride_ks, stride_vh, stride_vb, stride_vs,
-    stride_table, stride_info,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    table_ptr,
+    info_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kh,
+    stride_kb,
+    stride_ks,
+    stride_vh,
+    stride_vb,
+    stride_vs,
+    stride_table,
+    stride_info,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seq, tile, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(info_ptr + seq * stride_info)  # first row of this sequence in q
@@ -37,8 +58,11 @@ def _paged_attention(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     rows = (row0 + tok).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     q_pos = n_ctx + tok  # absolute position: sees keys 0..q_pos
     kv_end = n_ctx + tl.minimum(q_start + BLOCK_Q, n_new)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -50,8 +74,11 @@ def _paged_attention(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         blk = tl.load(table_ptr + seq * stride_table + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(k_base + (blk * stride_kb + (offs_n % BS) * stride_ks)[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(
+            k_base + (blk * stride_kb + (offs_n % BS) * stride_ks)[:, None] + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -62,8 +89,11 @@ def _paged_attention(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + (blk * stride_vb + (offs_n % BS) * stride_vs)[:, None] + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(
+            v_base + (blk * stride_vb + (offs_n % BS) * stride_vs)[:, None] + offs_d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -71,13 +101,25 @@ def _paged_attention(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        o_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        acc.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    block_table: torch.Tensor, info: torch.Tensor, max_new: int, scale: float,
-                    block_m: int, block_n: int = 64) -> None:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    block_table: torch.Tensor,
+    info: torch.Tensor,
+    max_new: int,
+    scale: float,
+    block_m: int,
+    block_n: int = 64,
+) -> None:
     """out[rows] = attention of q's rows for each sequence in `info` ([S, 3] int32: first row,
     new tokens, cached tokens) over its blocks in `block_table` ([S, max_blocks] int32).
     q/out [T, Hq, D]; k_cache/v_cache [Hkv, num_blocks, block_size, D] (last dim contiguous)."""
@@ -88,11 +130,32 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // g
     grid = (info.shape[0], triton.cdiv(max_new, block_q), hkv)
     _paged_attention[grid](
-        q, k_cache, v_cache, out, block_table, info, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), info.stride(0),
-        G=g, D=d, BLOCK_D=triton.next_power_of_2(d), BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_table,
+        info,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_table.stride(0),
+        info.stride(0),
+        G=g,
+        D=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BS=bs,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
     )

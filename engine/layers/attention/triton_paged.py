@@ -1,6 +1,7 @@
 """CUDA backend: decode rows and prompt chunks through the Triton paged kernel, which reads
 K/V from the cache by block table (the reference copies every sequence's whole context with
 index_select in every layer of every step). Cache writes stay the reference's index_copy_."""
+
 from __future__ import annotations
 
 import torch
@@ -32,20 +33,49 @@ class TritonPagedAttentionBackend(ReferenceAttentionBackend):
 
         self.kernel = paged_attention
 
-    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
         nd = meta.num_decode_tokens
         if nd == 0:
             return
         if meta.decode_info is None:  # once per step, shared by every layer
             lens = meta.decode_seq_lens
-            meta.decode_info = torch.stack([torch.arange(nd, device=lens.device, dtype=torch.int32),
-                                            torch.ones_like(lens), lens - 1], dim=1)
-        self.kernel(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], out, meta.decode_block_table, meta.decode_info,
-                    1, scale, _DECODE_BLOCK_M)
+            meta.decode_info = torch.stack(
+                [torch.arange(nd, device=lens.device, dtype=torch.int32), torch.ones_like(lens), lens - 1], dim=1
+            )
+        self.kernel(
+            q.to(kv_cache.dtype),
+            kv_cache[0],
+            kv_cache[1],
+            out,
+            meta.decode_block_table,
+            meta.decode_info,
+            1,
+            scale,
+            _DECODE_BLOCK_M,
+        )
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
         if not meta.prefills:
             return
-        self.kernel(q.to(kv_cache.dtype), kv_cache[0], kv_cache[1], out, meta.prefill_block_table, meta.prefill_info,
-                    meta.prefill_max_new, scale, _PREFILL_BLOCK_M)
+        self.kernel(
+            q.to(kv_cache.dtype),
+            kv_cache[0],
+            kv_cache[1],
+            out,
+            meta.prefill_block_table,
+            meta.prefill_info,
+            meta.prefill_max_new,
+            scale,
+            _PREFILL_BLOCK_M,
+        )
