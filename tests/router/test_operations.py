@@ -122,7 +122,7 @@ def test_overload_429(serve_cluster):
     assert len(ok) + len(busy) == 12, [r.status_code for r, _ in results]
     assert ok and busy
     for r, _ in busy:
-        assert r.headers["retry-after"] == "1"
+        assert 1 <= int(r.headers["retry-after"]) <= 60  # from the queue's drain rate (test_units)
         assert r.json()["error"]["type"] == "rate_limit_error"
     for r, _ in ok:
         assert r.json()["usage"]["completion_tokens"] == 24

@@ -221,3 +221,24 @@ def test_sampling_params_refuse_non_finite_numbers():
         for bad in (float("nan"), float("inf"), float("-inf")):
             with pytest.raises(InvalidRequestError, match=field):
                 SamplingParams(**{field: bad})
+
+
+def test_retry_after_follows_the_queue(monkeypatch):
+    import router.backpressure as bp
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(bp.time, "monotonic", lambda: clock["t"])
+    q = IngressQueue(4)
+    for i in range(4):
+        q.admit(f"r{i}")
+    clock["t"] += 7.0
+    with pytest.raises(OverloadedError) as e:
+        q.admit("x")
+    assert e.value.retry_after == 7  # nothing started yet: the oldest has waited 7 s
+    for i in range(4):  # one start every 2 s: 0.5 requests/s
+        clock["t"] += 2.0
+        q.started(f"r{i}")
+        q.admit(f"s{i}")
+    with pytest.raises(OverloadedError) as e:
+        q.admit("y")
+    assert e.value.retry_after == 8  # 4 queued at 0.5/s
