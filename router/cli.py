@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
+    s.add_argument("--api-key-file", default=None, help="file holding the bearer key")
+    s.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve without a key on a non-loopback --host (refused otherwise)",
+    )
     s.add_argument("--dtype", default=_d("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
     s.add_argument("--device", default=_d("device"))
     s.add_argument(
@@ -107,6 +113,8 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         request_timeout_s=a.request_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,
         api_key=a.api_key,
+        api_key_file=a.api_key_file,
+        allow_unauthenticated=a.allow_unauthenticated,
         autoscaling=getattr(a, "autoscaling", None),
     )
 
@@ -117,7 +125,14 @@ def serve_forever(a: argparse.Namespace) -> int:
 
     from router.app import build_app
 
-    cfg = config_from_args(a)
+    from router.ingress.public_bind import check_public_bind
+
+    try:
+        cfg = config_from_args(a)
+        check_public_bind(cfg, a.host)
+    except (PermissionError, ValueError) as e:  # pydantic's ValidationError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if a.address == "local":  # a fresh local cluster, even if `ray start` left one running here
         from router.app import required_cpus
 

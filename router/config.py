@@ -64,7 +64,13 @@ class AppConfig(BaseModel):
         "seen up to this late). 0 = every engine step.",
     )
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
-    api_key: str | None = Field(None, description="Bearer key for /v1 and TGI routes (default: $ORBITAL_API_KEY).")
+    api_key: str | None = Field(
+        None, description="Bearer key for /v1 and TGI routes (default: api_key_file, then $ORBITAL_API_KEY)."
+    )
+    api_key_file: str | None = Field(None, description="File holding the bearer key (~ expanded; one line).")
+    allow_unauthenticated: bool = Field(
+        False, description="Serve without a key on a non-loopback HTTP bind (otherwise the ingress refuses to start)."
+    )
 
     # --- scaling (router/controller/autoscaling_config.py) ---
     autoscaling: str | dict | None = Field(
@@ -83,9 +89,24 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _defaults(self) -> "AppConfig":
-        if self.api_key is None and os.environ.get("ORBITAL_API_KEY"):
+        if self.api_key is None and not self.api_key_file and os.environ.get("ORBITAL_API_KEY"):
             self.api_key = os.environ["ORBITAL_API_KEY"]
         return self
+
+    def resolve_api_key(self) -> str | None:
+        """The key requests must carry: `api_key`, else `api_key_file`'s contents, read where the
+        ingress runs (the file is on the serving nodes, not necessarily where this was built)."""
+        if self.api_key or not self.api_key_file:
+            return self.api_key
+        path = os.path.expanduser(self.api_key_file)
+        try:
+            with open(path) as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise PermissionError(f"api_key_file: cannot read {path}: {e.strerror}") from None
+        if not key:
+            raise PermissionError(f"api_key_file: {path} is empty")
+        return key
 
     @property
     def model_name(self) -> str:

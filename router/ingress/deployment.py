@@ -26,6 +26,7 @@ from router.config import AppConfig
 from router.ingress.engine_client import EngineClient
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.openai_api import OpenAIServing
+from router.ingress.public_bind import check_public_bind, serve_http_host
 from router.ingress.tgi_api import TGIServing
 from router.metrics import render
 from router.replica_choice.registry import known_replicas
@@ -53,6 +54,8 @@ class Ingress:
         from engine.model_config import build_model_config
 
         self.settings = cfg = AppConfig(**config)
+        self.api_key = cfg.resolve_api_key()
+        check_public_bind(cfg, serve_http_host())
         self.engine = engine
         # Text lives here: the tokenizer and the model's limits, never its weights.
         mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
@@ -97,7 +100,7 @@ class Ingress:
     # --- plumbing ---------------------------------------------------------------------------
 
     def _auth(self, request: Request) -> None:
-        key = self.settings.api_key
+        key = self.api_key
         if not key:
             return
         got = request.headers.get("authorization", "")

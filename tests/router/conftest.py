@@ -21,7 +21,7 @@ BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1, cpus
 
 
 @pytest.fixture(scope="package")
-def serve_cluster():
+def serve_cluster(tmp_path_factory):
     ray = pytest.importorskip("ray")
     from ray import serve
 
@@ -33,10 +33,12 @@ def serve_cluster():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         main_cfg = AppConfig(**BASE, num_replicas=2)
+        key_file = tmp_path_factory.mktemp("key") / "api-key"
+        key_file.write_text(STRICT_KEY + "\n")
         strict_cfg = AppConfig(
             **BASE,
             num_replicas=1,
-            api_key=STRICT_KEY,
+            api_key_file=str(key_file),  # read by the ingress replica
             max_num_seqs=2,
             max_queued_requests_per_replica=1,
             max_queued_requests=2,
