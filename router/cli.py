@@ -124,7 +124,6 @@ def serve_forever(a: argparse.Namespace) -> int:
     from ray import serve
 
     from router.app import build_app
-
     from router.ingress.public_bind import check_public_bind
 
     try:
