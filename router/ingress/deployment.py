@@ -8,35 +8,36 @@ Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies
 `generate` (TGI), `models`, `health`, `metrics`.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
+# (`request: Request`) after Serve rewrites them into class-based views, and string annotations
+# made `request` a required query parameter (every POST answered 400).
 import asyncio
 import hmac
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from router.backpressure import IngressQueue
 from router.config import AppConfig
 from router.ingress.engine_client import EngineClient
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.openai_api import OpenAIServing
+from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, serve_http_host
 from router.ingress.tgi_api import TGIServing
 from router.metrics import render
 from router.replica_choice.registry import known_replicas
 
-if TYPE_CHECKING:
-    from ray.serve.handle import DeploymentHandle
-
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
 install_handlers(app)
+app.openapi = openapi_with_bodies(app)
 
 
 def _sse(obj) -> str:
