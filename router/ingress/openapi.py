@@ -1,0 +1,99 @@
+"""The OpenAPI schema (`/openapi.json`, `/docs`) with every route's request body and error shapes.
+
+The routes read the raw request themselves (body-size limit, Content-Type, the API's own error
+shapes instead of FastAPI's 422), so FastAPI cannot see their bodies: this adds them from the
+same pydantic models the handlers validate with, plus each API's error body per status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest
+from router.ingress.tgi_models import GenerateRequest
+
+REF = "#/components/schemas/{model}"
+BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/completions", "post"): CompletionRequest,
+    ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/generate", "post"): GenerateRequest,
+    ("/generate_stream", "post"): GenerateRequest,
+    ("/", "post"): GenerateRequest,
+}
+OPENAI_ERRORS = {
+    "400": "Invalid request (bad JSON, field or value; prompt over the context length).",
+    "401": "Missing or wrong API key.",
+    "404": "Unknown model.",
+    "413": "Body over the size limit.",
+    "415": "Content-Type is not JSON.",
+    "429": "Overloaded: retry after the Retry-After header's seconds.",
+    "503": "No engine replica can serve it.",
+    "504": "The request's deadline passed.",
+}
+# TGI answers validation errors with 422 (router/ingress/errors.py), the rest as OpenAI does.
+TGI_ERRORS = {"422" if code == "400" else code: text for code, text in OPENAI_ERRORS.items()}
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "OpenAIError": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type", "param", "code"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+            }
+        },
+    },
+    "TGIError": {
+        "type": "object",
+        "required": ["error", "error_type"],
+        "properties": {"error": {"type": "string"}, "error_type": {"type": "string"}},
+    },
+}
+
+
+def _error_responses(errors: dict[str, str], schema: str) -> dict[str, Any]:
+    content = {"application/json": {"schema": {"$ref": REF.format(model=schema)}}}
+    return {code: {"description": text, "content": content} for code, text in errors.items()}
+
+
+def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """A replacement for `app.openapi` (FastAPI caches the result on the app)."""
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        schemas.update(SCHEMAS)
+        for (path, method), model in BODIES.items():
+            op = spec["paths"].get(path, {}).get(method)
+            if op is None:
+                continue
+            model_schema = model.model_json_schema(ref_template=REF)
+            schemas.update(model_schema.pop("$defs", {}))
+            schemas[model.__name__] = model_schema
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+            }
+            tgi = not path.startswith("/v1/")
+            op["responses"].pop("422", None)  # FastAPI's own validation error: never sent
+            op["responses"].update(
+                _error_responses(TGI_ERRORS, "TGIError") if tgi else _error_responses(OPENAI_ERRORS, "OpenAIError")
+            )
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        app.openapi_schema = spec
+        return spec
+
+    return build
