@@ -12,8 +12,9 @@ import time
 import pytest
 import ray
 
-from engine import LLM, EngineDeadError, SamplingParams
+from engine import EngineDeadError, SamplingParams
 from tests.workers.conftest import hf_greedy
+from workers import LLM
 
 ARGS = dict(dtype="float32", block_size=4, num_blocks=512, num_threads=1)
 
