@@ -20,6 +20,7 @@ weight is the embedding) and rows <= SMALL_ROWS go through it. ORBITAL_SMALL_LIN
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -43,7 +44,13 @@ SMALL_ROWS = 4
 
 def small_linear_ops() -> ModuleType | None:
     """The C++ ops when their few-row linear has a vector path here, else None."""
-    if os.environ.get("ORBITAL_SMALL_LINEAR", "1") == "0":
+    return _vector_ops(os.environ.get("ORBITAL_SMALL_LINEAR", "1") != "0")
+
+
+@functools.cache
+def _vector_ops(enabled: bool) -> ModuleType | None:
+    # Asked by every linear at decode: the answer (a build, a pybind call) is computed once.
+    if not enabled:
         return None
     from engine.kernels.cpu_ops import load_cpu_ops
 
@@ -72,9 +79,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     few-row C++ op at up to SMALL_ROWS rows (CPU)."""
     x2 = x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    plain = getattr(weight, "plain", None) if weight.is_mkldnn else weight
-    ops = small_linear_ops() if plain is not None and 0 < m <= SMALL_ROWS and plain.device.type == "cpu" else None
-    if ops is not None:
+    if 0 < m <= SMALL_ROWS and x2.device.type == "cpu":
+        if weight.is_mkldnn:  # pack_weight kept `.plain` only where the op runs: no need to ask
+            plain, ops = getattr(weight, "plain", None), _vector_ops(True)
+        else:
+            plain, ops = weight, small_linear_ops()
+    else:
+        plain = ops = None
+    if plain is not None and ops is not None:
         y = x2.new_empty(m, plain.shape[0])
         if ops.small_linear(x2, plain, bias, y):
             return y.reshape(*x.shape[:-1], y.shape[-1])
