@@ -71,10 +71,6 @@ class EngineClient:
         """One token's text (logprobs, TGI token lists)."""
         return self.outputs.token_text(token_id)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The context-length check the engine would do, before anything is sent."""
-        self.inputs.check_lengths(prompt_ids, params)
-
     async def generate(
         self,
         request_id: str,
@@ -91,7 +87,7 @@ class EngineClient:
         submit = replica = None
         added = done = False
         try:
-            self.validate(prompt_ids, params)
+            self.inputs.check_lengths(prompt_ids, params)  # the engine's length check, before sending
             self.outputs.add_request(
                 request_id, prompt_text, prompt_ids, params, child_request_ids(request_id, params.n)
             )
