@@ -36,27 +36,10 @@ import torch
 def smollm_shaped_llama(path) -> str:
     """A random Llama with SmolLM2-135M's sizes but 12 heads / 6 KV heads (divides by 2 and 3),
     saved with SmolLM2's tokenizer (the prompts are token ids of loadtest's text)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from bench.random_llama import tokenizer_dir
+    from bench.random_llama import save_random_llama
 
     if not os.path.isfile(os.path.join(path, "config.json")):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(
-            vocab_size=49152,
-            hidden_size=576,
-            intermediate_size=1536,
-            num_hidden_layers=30,
-            num_attention_heads=12,
-            num_key_value_heads=6,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            bos_token_id=None,
-            eos_token_id=None,
-            pad_token_id=None,
-        )
-        LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-        AutoTokenizer.from_pretrained(tokenizer_dir()).save_pretrained(path)
+        save_random_llama(path, "smollm2-135m-12h", device="cpu")
     return str(path)
 
 

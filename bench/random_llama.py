@@ -1,4 +1,4 @@
-"""Random-weight Llama checkpoints for the GPU benchmark and GPU tests, built with transformers and saved as
+"""Random-weight Llama checkpoints for the GPU and tensor-parallel benchmarks and the GPU tests, built with transformers and saved as
 real HF directories (the embedded GGUF is too big to carry to a GPU machine). The tokenizer
 comes from ORBITAL_TOKENIZER_DIR (a folder with SmolLM2's tokenizer files) or the embedded model."""
 
@@ -16,6 +16,16 @@ SHAPES = {
         num_hidden_layers=30,
         num_attention_heads=9,
         num_key_value_heads=3,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+    # SmolLM2-135M's sizes with heads that split over 1, 2 and 3 ranks (bench/bench_tp.py).
+    "smollm2-135m-12h": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=12,
+        num_key_value_heads=6,
         tie_word_embeddings=True,
         rope_theta=100000.0,
     ),
