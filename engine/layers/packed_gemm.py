@@ -77,19 +77,18 @@ def row_bucket(m: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or the packed oneDNN GEMM when `weight` was packed by `pack_weight`; the
     few-row C++ op at up to SMALL_ROWS rows (CPU)."""
-    x2 = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2  # the usual case: no reshapes (each costs ~2 us of dispatch per call)
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if 0 < m <= SMALL_ROWS and x2.device.type == "cpu":
+    if 0 < m <= SMALL_ROWS and x2.is_cpu:
         if weight.is_mkldnn:  # pack_weight kept `.plain` only where the op runs: no need to ask
             plain, ops = getattr(weight, "plain", None), _vector_ops(True)
         else:
             plain, ops = weight, small_linear_ops()
-    else:
-        plain = ops = None
-    if plain is not None and ops is not None:
-        y = x2.new_empty(m, plain.shape[0])
-        if ops.small_linear(x2, plain, bias, y):
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if plain is not None and ops is not None:
+            y = x2.new_empty(m, plain.shape[0])
+            if ops.small_linear(x2, plain, bias, y):
+                return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     mb = row_bucket(m)
@@ -99,4 +98,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         padded[m:] = 0
         x2 = padded
     y = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
-    return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+    if mb != m:
+        y = y[:m]
+    return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
