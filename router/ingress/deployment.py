@@ -55,8 +55,7 @@ class Ingress:
         from engine.model_config import build_model_config
 
         self.settings = cfg = AppConfig(**config)
-        self.api_key = cfg.resolve_api_key()
-        check_public_bind(cfg, serve_http_host())
+        self.api_key = check_public_bind(cfg, serve_http_host())
         self.engine = engine
         # Text lives here: the tokenizer and the model's limits, never its weights.
         mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)

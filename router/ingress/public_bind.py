@@ -21,11 +21,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_public_bind(cfg: AppConfig, host: str | None) -> None:
+def check_public_bind(cfg: AppConfig, host: str | None) -> str | None:
     """Raise when `host` (the HTTP bind address; None: unknown) is public and nothing
-    authenticates requests."""
-    if host is None or cfg.resolve_api_key() or cfg.allow_unauthenticated or is_loopback(host):
-        return
+    authenticates requests; else return the API key (None: none)."""
+    key = cfg.resolve_api_key()
+    if host is None or key or cfg.allow_unauthenticated or is_loopback(host):
+        return key
     raise PermissionError(
         f"refusing to serve without an API key on {host!r} (not a loopback address): set api_key, "
         "api_key_file or $ORBITAL_API_KEY, or allow_unauthenticated (--allow-unauthenticated) "
