@@ -57,11 +57,20 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
-            request_router_class="router.replica_choice.least_loaded:LeastLoadedChoice",
+            request_router_class="router.replica_choice.replica_choice:ReplicaChoice",
+            request_router_kwargs=routing_kwargs(cfg),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,
         ),
     )
+
+
+def routing_kwargs(cfg: AppConfig) -> dict:
+    """What the replica choice needs to compute a prompt's block hashes as the engines do."""
+    policy = cfg.routing
+    if policy == "cache-aware" and not cfg.enable_prefix_caching:
+        policy = "least-loaded"  # nothing to find: engines publish no blocks
+    return {"policy": policy, "block_size": cfg.block_size}
 
 
 def required_cpus(cfg: AppConfig) -> float:

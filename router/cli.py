@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-queued-requests", type=int, default=_d("max_queued_requests"), help="per router replica; past it 429"
     )
+    s.add_argument(
+        "--routing",
+        default=_d("routing"),
+        choices=["cache-aware", "least-loaded", "round-robin"],
+        help="engine replica choice (cache-aware: the replica holding most of the prompt's KV blocks)",
+    )
     s.add_argument("--max-queued-requests-per-replica", type=int, default=_d("max_queued_requests_per_replica"))
     s.add_argument("--request-timeout-s", type=float, default=_d("request_timeout_s"))
     s.add_argument("--max-request-body-bytes", type=int, default=_d("max_request_body_bytes"))
@@ -109,6 +115,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         num_threads=a.threads or max(1, int(cpus)),
         cpus_per_worker=cpus,
         max_queued_requests=a.max_queued_requests,
+        routing=a.routing,
         max_queued_requests_per_replica=a.max_queued_requests_per_replica,
         request_timeout_s=a.request_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,

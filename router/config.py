@@ -7,6 +7,7 @@ config into the inner one, and every engine default is EngineArgs' own (`_E`), n
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -48,6 +49,11 @@ class AppConfig(BaseModel):
     # --- the router ---
     router_replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
     router_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per router replica.")
+    routing: Literal["cache-aware", "least-loaded", "round-robin"] = Field(
+        "cache-aware",
+        description="Replica choice: cache-aware (the replica holding most of the prompt's KV blocks, "
+        "within a load guard; least-loaded when prefix caching is off), least-loaded or round-robin.",
+    )
     max_queued_requests: int = Field(
         256, ge=1, description="Queued (no token yet) requests per router replica; past it: 429."
     )
