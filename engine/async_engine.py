@@ -200,6 +200,7 @@ class AsyncEngine:
                 if self.engine.core.has_unfinished_requests():
                     self._step()
                 elif inbox:  # an abort or finish with no step after it: publish the freed KV
+                    self.engine.core.publish_kv_events()
                     self.snapshot = self.engine.core.snapshot()
         except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
             log.exception("engine loop died")

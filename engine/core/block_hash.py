@@ -28,11 +28,36 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_k
     return int.from_bytes(h.digest(), "big")
 
 
-def block_extra_keys(request: Request, block_index: int) -> tuple:
+def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple:
     # The salt goes into the first block only; the parent chain carries it to every later one.
-    if block_index == 0 and request.cache_salt is not None:
-        return ("salt", request.cache_salt)
+    if block_index == 0 and cache_salt is not None:
+        return ("salt", cache_salt)
     return ()
+
+
+def extend_block_hashes(
+    hashes: list[int], tokens: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
+    """Extend `hashes` (those of the leading full blocks of `tokens`) to every full block."""
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), len(tokens) // block_size):
+        block_tokens = tokens[i * block_size : (i + 1) * block_size]
+        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(cache_salt, i))
+        hashes.append(parent)
+    return hashes
+
+
+def max_hit_blocks(num_tokens: int, block_size: int) -> int:
+    """Leading blocks a prompt of `num_tokens` may take from the cache: never its last token,
+    which must be recomputed to produce logits."""
+    return max(0, num_tokens - 1) // block_size
+
+
+def prompt_hit_hashes(prompt_token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """The hashes a prefix-cache lookup of this prompt walks, in order (the router predicts a
+    replica's hit with them)."""
+    n = max_hit_blocks(len(prompt_token_ids), block_size)
+    return extend_block_hashes([], prompt_token_ids[: n * block_size], block_size, cache_salt)
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[int]:
@@ -40,12 +65,4 @@ def update_block_hashes(request: Request, block_size: int) -> list[int]:
 
     Incremental: only blocks that became full since the last call are hashed.
     """
-    hashes = request.block_hashes
-    tokens = request.all_token_ids
-    num_full = len(tokens) // block_size
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        block_tokens = tokens[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(request, i))
-        hashes.append(parent)
-    return hashes
+    return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)

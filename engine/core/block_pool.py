@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from engine.core.free_block_queue import FreeBlockQueue, KVCacheBlock
+from engine.core.kv_events import KVEventRecorder
 from engine.request import Request
 
 
@@ -29,6 +30,8 @@ class BlockPool:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.num_evictions = 0
+        # Hashes entering and leaving the map, in order (engine/core/kv_events.py).
+        self.events = KVEventRecorder()
 
     # --- allocation -------------------------------------------------------------------------
 
@@ -53,6 +56,7 @@ class BlockPool:
             same.pop(block.block_id, None)
             if not same:
                 del self.cached_block_hash_to_block[block.block_hash]
+                self.events.removed(block.block_hash)
         block.block_hash = None
         self.num_evictions += 1
         return True
@@ -90,7 +94,11 @@ class BlockPool:
                 assert block.block_hash == block_hash, (block, i)
                 continue
             block.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            same = self.cached_block_hash_to_block.get(block_hash)
+            if same is None:
+                same = self.cached_block_hash_to_block[block_hash] = {}
+                self.events.stored(block_hash)
+            same[block.block_id] = block
 
     def get_cached_block(self, block_hash: int) -> KVCacheBlock | None:
         same = self.cached_block_hash_to_block.get(block_hash)
@@ -107,6 +115,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.events.cleared()
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     # --- stats ------------------------------------------------------------------------------

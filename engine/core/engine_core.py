@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_events import KVEventLog
 from engine.core.scheduler import Scheduler
 from engine.executor import Executor
 from engine.outputs import EngineCoreOutput
@@ -16,6 +17,7 @@ class EngineCore:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor) -> None:
         self.executor = executor
         self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks)
+        self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -33,10 +35,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
+        # Published before the model runs: the blocks are in the hash map once scheduled.
+        self.publish_kv_events()
         if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
             return self.scheduler.update_from_output(so, _EMPTY)
         mro = self.executor.execute_model(so)
         return self.scheduler.update_from_output(so, mro)
+
+    def publish_kv_events(self) -> None:
+        self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
 
     def snapshot(self) -> EngineStats:
         return self.scheduler.snapshot()

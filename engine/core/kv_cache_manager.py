@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from engine.core.block_hash import update_block_hashes
+from engine.core.block_hash import max_hit_blocks, update_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.free_block_queue import KVCacheBlock
 from engine.request import Request
@@ -49,7 +49,7 @@ class KVCacheManager:
             # Prompt logprobs need every prompt position computed, so no hits.
             return [], 0
         hashes = update_block_hashes(request, self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = max_hit_blocks(request.num_tokens, self.block_size)
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
