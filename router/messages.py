@@ -6,8 +6,13 @@ ingress -> replica (unary calls pinned to the replica, see replica_choice/):
   * `AbortRequest`: the client went away: end the request before the next engine step.
 replica -> ingress (the output channel, one streaming call per (ingress, replica)):
   * `StepOutputs`: every output of one engine step (or several, for non-streamed requests) for
-    that ingress's requests, plus the requests that failed, as one pickled bytes object.
-    `decode` checks the type once, where the bytes come in.
+    that ingress's requests, plus the requests that failed, plus the replica's KV event
+    batches of those steps (ahead of the outputs: the cache-aware router knows a request's
+    blocks by the time its output arrives), as one pickled bytes object.
+replica -> ingress (the KV event feed, `kv_events`, one short-lived streaming call at a time):
+  * `KVEventsUpdate`: a snapshot of the replica's cached block hashes (first contact, a gap,
+    a restarted engine) and/or the batches since the last one the ingress saw.
+`decode` checks the type once, where the bytes come in.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
+from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -52,18 +58,25 @@ class RequestFailed:
 class StepOutputs:
     outputs: list[EngineCoreOutput] = field(default_factory=list)
     failures: list[RequestFailed] = field(default_factory=list)
+    kv_events: list[KVEventBatch] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.outputs or self.failures)
+        return bool(self.outputs or self.failures or self.kv_events)
 
 
-def encode(msg: StepOutputs) -> bytes:
+@dataclass(frozen=True, slots=True)
+class KVEventsUpdate:
+    snapshot: KVSnapshot | None  # the state to start from (then `batches` follow it)
+    batches: list[KVEventBatch]
+
+
+def encode(msg: StepOutputs | KVEventsUpdate) -> bytes:
     # C pickle of small dataclasses costs a few microseconds each; Ray then ships one bytes object.
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode(payload: bytes) -> StepOutputs:
+def decode(payload: bytes, kind: type = StepOutputs) -> StepOutputs | KVEventsUpdate:
     msg = pickle.loads(payload)  # only from our own replicas
-    if type(msg) is not StepOutputs:
-        raise TypeError(f"output channel message is a {type(msg).__name__}, not StepOutputs")
+    if type(msg) is not kind:
+        raise TypeError(f"message is a {type(msg).__name__}, not {kind.__name__}")
     return msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -46,7 +47,7 @@ class EngineCore:
         self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
 
     def snapshot(self) -> EngineStats:
-        return self.scheduler.snapshot()
+        return dataclasses.replace(self.scheduler.snapshot(), kv_events_seq=self.kv_events.seq)
 
     def stats(self) -> dict:
         return self.scheduler.stats()

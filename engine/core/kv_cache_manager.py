@@ -141,6 +141,7 @@ class KVCacheManager:
             "prefix_cache_queries": pool.prefix_cache_queries,
             "prefix_cache_hits": pool.prefix_cache_hits,
             "prefix_hit_rate": pool.prefix_hit_rate,
+            "num_evictions": pool.num_evictions,
             "kv_waste": self.kv_waste(running),
         }
 

@@ -309,6 +309,7 @@ class Scheduler:
             prefix_cache_queries=kv["prefix_cache_queries"],
             prefix_cache_hits=kv["prefix_cache_hits"],
             prefix_hit_rate=kv["prefix_hit_rate"],
+            num_evictions=kv["num_evictions"],
             kv_waste=kv["kv_waste"],
             oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None,
         )

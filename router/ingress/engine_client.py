@@ -28,9 +28,12 @@ from engine.outputs import RequestOutput
 from engine.request import child_request_ids
 from engine.sampling_params import SamplingParams
 from router.backpressure import IngressQueue
+from router.ingress.kv_subscriber import KVSubscriber
 from router.ingress.output_reader import OutputReader
 from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
+from router.replica_choice.kv_index import kv_index
 from router.replica_choice.local_load import local_load
+from router.replica_choice.routing_log import routing_log
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -63,6 +66,8 @@ class EngineClient:
         self.outputs = OutputProcessor(tokenizer)
         self.control_timeout_s = control_timeout_s
         self.channels = OutputReader(handle.options(stream=True), self._on_batch, self._on_channel_error)
+        self.kv_feed = KVSubscriber(handle)  # cache-aware routing's index of replicas' blocks
+        self.kv_feed.start()
         self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or an exception)
         self._background: set[asyncio.Task] = set()
         self.replica_counts: dict[str, int] = {}  # requests ended per replica (tests, debugging)
@@ -84,6 +89,7 @@ class EngineClient:
         """RequestOutputs of one request. `stream=False`: the caller only wants the end, so the
         replica may hand over several steps at once (`nonstream_batch_interval_s`)."""
         self.queue.admit(request_id)  # OverloadedError (429) before any work
+        self.kv_feed.start()
         submit = replica = None
         added = done = False
         try:
@@ -117,12 +123,15 @@ class EngineClient:
                     self.queue.started(request_id)
                     first = False
                 done = out.finished
+                if done:
+                    routing_log.finished(request_id, out.num_cached_tokens)
                 yield out
         finally:
             self.queue.done(request_id)
             self._waiting.pop(request_id, None)
             if submit is not None:
                 local_load.done(request_id)
+                kv_index.end_pending(request_id)
             if added and not done:
                 self.outputs.abort_request(request_id)
             if replica is not None:
@@ -139,6 +148,8 @@ class EngineClient:
 
     def _on_batch(self, replica: str, msg: StepOutputs) -> None:
         """One channel message: every output of one engine step for this ingress's requests."""
+        if msg.kv_events:  # ahead of the outputs they came with
+            kv_index.apply(replica, msg.kv_events)
         for failed in msg.failures:
             self._deliver(replica, failed.request_id, failed.error)
         if not msg.outputs:

@@ -8,6 +8,10 @@ handle, with the messages of `router/messages.py`:
   * `finish(FinishSequences)`: the ingress matched a stop string; end those sequences now;
   * `abort(AbortRequest)`: the client went away; the request ends before the next engine step,
     which returns its KV blocks to the pool;
+  * `kv_events(epoch, seq)` (streaming): the engine's KV event batches after `seq` (or a
+    snapshot first, when those are gone or the epoch is another engine's), for a few seconds;
+    the ingress's cache-aware routing calls it again and again (router/ingress/kv_subscriber.py).
+    The same batches also ride on the output channels of ingresses with requests here;
   * `stats()`, `check_health()` (also Serve's health check).
   * `record_routing_stats()`: Serve polls it; the ingress's replica choice reads it.
 Every method takes an optional `replica_id`: the ingress pins calls to one replica with it (see
@@ -30,17 +34,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from ray import serve
 
 from engine.async_engine import AsyncEngine
+from engine.core.kv_events import KVEventBatch
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.request import child_request_ids, parent_request_id
 from router.backpressure import ReplicaQueue
-from router.messages import AbortRequest, FinishSequences, SubmitRequest
+from router.messages import AbortRequest, FinishSequences, KVEventsUpdate, SubmitRequest, encode
 from router.metrics import COUNTERS, new_histograms
 from router.replica.autoscaling_stats import AutoscalingStats
 from router.replica.outbox import Outbox
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
+
+# A `kv_events` call ends after this long: Serve's graceful drain waits for open calls, and the
+# ingress calls again at once.
+KV_FEED_S = 2.0
 
 
 class _Job:
@@ -85,6 +94,10 @@ class EngineReplica:
         self._jobs: dict[str, _Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
+        self.kv_log = self.engine.engine.core.kv_events
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by the first call
+        self._kv_waiters: set[asyncio.Event] = set()
+        self.kv_log.add_listener(self._kv_published)
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)
 
     # --- generation -------------------------------------------------------------------------
@@ -94,6 +107,7 @@ class EngineReplica:
         replica's id (the ingress pins `output_channel`, `finish` and `abort` to it)."""
         if not self.engine.is_alive():
             raise EngineDeadError("the engine loop is not running")
+        self._loop = asyncio.get_running_loop()
         rid = msg.request_id
         if rid in self._jobs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -124,6 +138,53 @@ class EngineReplica:
         finally:
             if box.idle and self._outboxes.get(ingress_id) is box:
                 del self._outboxes[ingress_id]
+
+    # --- KV events ------------------------------------------------------------------------
+
+    def _kv_published(self, batch: KVEventBatch) -> None:
+        """Engine thread, after each step that changed the cached hashes: queued on the loop
+        ahead of that step's outputs (call_soon_threadsafe keeps the order)."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._kv_to_ingresses, batch)
+
+    def _kv_to_ingresses(self, batch: KVEventBatch) -> None:
+        for box in self._outboxes.values():
+            if box.active:
+                box.kv(batch)
+        for ev in self._kv_waiters:
+            ev.set()
+
+    async def kv_events(self, epoch: str | None, seq: int, replica_id: str | None = None) -> AsyncIterator[bytes]:
+        """Streaming: one KVEventsUpdate at once (a snapshot when the batches after `seq` of
+        `epoch` are gone), then one per step that changes the cached hashes, for KV_FEED_S."""
+        self._loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        self._kv_waiters.add(wake)
+        try:
+            deadline = time.monotonic() + KV_FEED_S
+            first = True
+            while True:
+                batches = self.kv_log.since(epoch, seq) if epoch is not None else None
+                snap = None
+                if batches is None:
+                    snap, batches = self.kv_log.snapshot(), []
+                    epoch, seq = snap.epoch, snap.seq
+                if batches:
+                    seq = batches[-1].seq
+                if snap is not None or batches or first:
+                    yield encode(KVEventsUpdate(snap, batches))
+                first = False
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                wake.clear()
+                try:
+                    await asyncio.wait_for(wake.wait(), remaining)
+                except asyncio.TimeoutError:
+                    return
+        finally:
+            self._kv_waiters.discard(wake)
 
     def _step_handed_over(self) -> None:
         """Returns once the engine thread has handed its current step's outputs to this loop
@@ -216,6 +277,7 @@ class EngineReplica:
         s = self.engine.stats()
         s.update(self.counters)
         s["replica_id"] = self.replica_id
+        s["pid"] = os.getpid()
         s["channel_messages"] = self.channel_messages
         s["finished"] = dict(self.finished)
         s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}

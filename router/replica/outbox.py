@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
+from engine.core.kv_events import KVEventBatch
 from engine.outputs import EngineCoreOutput
 from router.messages import RequestFailed, StepOutputs, encode
 
@@ -45,6 +46,10 @@ class Outbox:
         if outputs:
             self.items.outputs.extend(outputs)
             self._event.set()
+
+    def kv(self, batch: KVEventBatch) -> None:
+        self.items.kv_events.append(batch)
+        self._event.set()
 
     def fail(self, request_id: str, error: BaseException) -> None:
         self.items.failures.append(RequestFailed(request_id, error))

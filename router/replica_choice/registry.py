@@ -18,3 +18,8 @@ def known_replicas(app_name: str, deployment_name: str) -> list[tuple[str, dict[
     if r is None:
         return []
     return [(rep.replica_id.unique_id, dict(rep.routing_stats or {})) for rep in r.replicas]
+
+
+def choice(app_name: str, deployment_name: str) -> Any:
+    """The replica-choice instance of that deployment in this process (None before first use)."""
+    return _CHOICES.get((app_name, deployment_name))

@@ -12,7 +12,10 @@ deployment:
         calls in flight), plus the replica's waiting queue and KV usage as published by
         `record_routing_stats()` (covers other callers);
       - round-robin: in turn;
-      - cache-aware: see `cache_aware.py`.
+      - cache-aware: the replica holding the longest cached prefix of the prompt, within a
+        load guard (`cache_aware.py`), from the exact index of the replicas' KV events
+        (`kv_index.py`); a routed request's blocks count as held there at once (pending).
+    Every decision is recorded in `routing_log` (predicted cached tokens; `/metrics`).
 
 `registry.known_replicas(app, deployment)` lists the replicas a router in this process knows,
 so the ingress can fan out stats and health checks; `local_load` counts its running requests.
@@ -21,16 +24,24 @@ so the ingress can fan out stats and health checks; `local_load` counts its runn
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import time
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 # Module objects, not names from them: Serve may ship this class by value (cloudpickle), and a
 # module reference is pickled by name, so the shipped class shares these with the process.
+import router.replica_choice.cache_aware as cache_aware
+import router.replica_choice.kv_index as kv_index_module
 import router.replica_choice.least_loaded as least_loaded
 import router.replica_choice.local_load as local_load_module
 import router.replica_choice.registry as registry
+import router.replica_choice.routing_log as routing_log_module
+from engine.core.block_hash import prompt_hit_hashes
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
@@ -39,12 +50,17 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
     replicas: list[RunningReplica] = []
     policy = "least-loaded"
     block_size = 16
+    slack = cache_aware.DEFAULT_SLACK
 
-    def initialize_state(self, policy: str = "least-loaded", block_size: int = 16, **_: Any) -> None:
+    def initialize_state(
+        self, policy: str = "least-loaded", block_size: int = 16, slack: float = cache_aware.DEFAULT_SLACK, **_: Any
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
-        self.policy, self.block_size = policy, block_size
+        self.policy, self.block_size, self.slack = policy, block_size, slack
         self._turn = itertools.count()
+        # request id -> (prompt hashes, cached blocks per replica), from choose to routed.
+        self._seen: dict[str, tuple[list[int], dict[str, int]]] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.replicas = list(replicas)
@@ -66,13 +82,47 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         target = pending_request.kwargs.get("replica_id") if pending_request is not None else None
         if target:
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
-        if self.policy == "round-robin" and candidate_replicas:
+        if not candidate_replicas:
+            return []
+        if self.policy == "round-robin":
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             k = next(self._turn) % len(ordered)
             return [[r] for r in ordered[k:] + ordered[:k]]
+        if self.policy == "cache-aware" and pending_request is not None and pending_request.args:
+            return self._cache_aware(candidate_replicas, pending_request.args[0])
         scored = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
         return [[r] for r in scored]
 
+    def _cache_aware(self, candidates: list[RunningReplica], msg: Any) -> list[list[RunningReplica]]:
+        t0 = time.perf_counter()
+        seen = self._seen.get(msg.request_id)
+        if seen is None:
+            if len(self._seen) > 4096:  # requests that were never routed (cancelled, refused)
+                self._seen.clear()
+            no_hits = msg.params.prompt_logprobs is not None  # the engine looks nothing up then
+            hashes = [] if no_hits else prompt_hit_hashes(msg.prompt_token_ids, self.block_size)
+            seen = self._seen[msg.request_id] = (hashes, {})
+        hashes, hits = seen
+        index = kv_index_module.kv_index
+
+        def cached(r: RunningReplica) -> int:
+            rid = r.replica_id.unique_id
+            return max(index.cached_blocks(rid, hashes), index.pending_blocks(rid, hashes)) if hashes else 0
+
+        ranked, found = cache_aware.rank(candidates, self.load, cached, self.slack)
+        hits.update((r.replica_id.unique_id, n) for r, n in found.items())
+        routing_log_module.routing_log.timed(time.perf_counter() - t0)
+        return [[r] for r in ranked]
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
-        if pending_request.metadata.call_method == "submit" and pending_request.args:
-            local_load_module.local_load.routed(pending_request.args[0].request_id, replica_id.unique_id)
+        if pending_request.metadata.call_method != "submit" or not pending_request.args:
+            return
+        msg, replica = pending_request.args[0], replica_id.unique_id
+        local_load_module.local_load.routed(msg.request_id, replica)
+        hashes, hits = self._seen.pop(msg.request_id, ([], {}))
+        predicted = hits.get(replica, 0) * self.block_size
+        kv_index_module.kv_index.add_pending(msg.request_id, replica, hashes)
+        routing_log_module.routing_log.routed(msg.request_id, replica, self.policy, predicted)
+        log.debug(
+            "request %s -> replica %s (%s, predicted cached tokens %d)", msg.request_id, replica, self.policy, predicted
+        )

@@ -1,0 +1,31 @@
+"""Cache-aware ranking: the replica that holds the longest cached prefix of the prompt, among the
+replicas whose load is within `slack` of the least loaded one (a per-candidate guard: a hot
+prefix spreads once its replica runs ahead, and a cache miss never goes to an overloaded
+replica). Ties go to the less loaded replica.
+
+Bound: a request never goes to a replica loaded more than `slack` above the least loaded one,
+so under a storm of one prefix the loads (in-flight requests, as `least_loaded.replica_load`
+counts them) stay within `slack` + 1 of each other.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable, Sequence, TypeVar
+
+R = TypeVar("R")
+
+DEFAULT_SLACK = 4.0
+
+
+def rank(
+    candidates: Sequence[R], load: Callable[[R], float], cached: Callable[[R], int], slack: float = DEFAULT_SLACK
+) -> tuple[list[R], dict[R, int]]:
+    """Candidates best first, and the cached blocks seen for each."""
+    loads = {r: load(r) for r in candidates}
+    hits = {r: cached(r) for r in candidates}
+    floor = min(loads.values())
+    tie = {r: random.random() for r in candidates}
+    best = max((r for r in candidates if loads[r] <= floor + slack), key=lambda r: (hits[r], -loads[r], tie[r]))
+    rest = sorted((r for r in candidates if r is not best), key=lambda r: (loads[r], tie[r]))
+    return [best, *rest], hits

@@ -1,0 +1,79 @@
+"""What the replica choice decided, per request and per replica: the routed count, the cached
+prompt tokens it predicted and the cached tokens the engine then reported (`/metrics`, tests,
+the debug log), and the time the decisions took."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass
+
+KEEP = 4096  # recent decisions kept per ingress process
+
+
+@dataclass(slots=True)
+class Decision:
+    replica: str
+    policy: str
+    predicted_cached_tokens: int
+    actual_cached_tokens: int | None = None
+
+
+class RoutingLog:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.decisions: collections.OrderedDict[str, Decision] = collections.OrderedDict()
+        self.per_replica: dict[str, dict[str, int]] = {}
+        self.decision_seconds = 0.0
+        self.num_decisions = 0
+
+    def _counts(self, replica: str) -> dict[str, int]:
+        c = self.per_replica.get(replica)
+        if c is None:
+            c = self.per_replica[replica] = {"routed": 0, "predicted_cached_tokens": 0, "actual_cached_tokens": 0}
+        return c
+
+    def timed(self, seconds: float) -> None:
+        with self._lock:
+            self.decision_seconds += seconds
+            self.num_decisions += 1
+
+    def routed(self, request_id: str, replica: str, policy: str, predicted_tokens: int) -> None:
+        with self._lock:
+            self.decisions[request_id] = Decision(replica, policy, predicted_tokens)
+            if len(self.decisions) > KEEP:
+                self.decisions.popitem(last=False)
+            c = self._counts(replica)
+            c["routed"] += 1
+            c["predicted_cached_tokens"] += predicted_tokens
+
+    def finished(self, request_id: str, actual_tokens: int) -> None:
+        with self._lock:
+            d = self.decisions.get(request_id)
+            if d is None or d.actual_cached_tokens is not None:
+                return
+            d.actual_cached_tokens = actual_tokens
+            self._counts(d.replica)["actual_cached_tokens"] += actual_tokens
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "per_replica": {r: dict(c) for r, c in self.per_replica.items()},
+                "decision_seconds": self.decision_seconds,
+                "decisions": self.num_decisions,
+            }
+
+    def recent(self) -> dict[str, dict]:
+        with self._lock:
+            return {
+                rid: {
+                    "replica": d.replica,
+                    "policy": d.policy,
+                    "predicted_cached_tokens": d.predicted_cached_tokens,
+                    "actual_cached_tokens": d.actual_cached_tokens,
+                }
+                for rid, d in self.decisions.items()
+            }
+
+
+routing_log = RoutingLog()

@@ -1,0 +1,93 @@
+"""The router's KV index (in-order application, gaps, restarted engines, pending requests) and
+the cache-aware ranking's load guard."""
+
+import random
+
+from engine.core.kv_events import BlocksRemoved, BlocksStored, KVEventBatch, KVEventLog
+from router.replica_choice.cache_aware import rank
+from router.replica_choice.kv_index import MAX_EARLY, KVIndex
+
+
+def batch(epoch, seq, stored=(), removed=()):
+    evs = []
+    if removed:
+        evs.append(BlocksRemoved(tuple(removed)))
+    if stored:
+        evs.append(BlocksStored(tuple(stored)))
+    return KVEventBatch(epoch, seq, tuple(evs))
+
+
+def test_batches_apply_in_order_whatever_the_arrival_order():
+    log = KVEventLog()
+    ix = KVIndex()
+    ix.reset("r", log.snapshot())
+    b1 = log.publish((BlocksStored((1, 2)),))
+    b2 = log.publish((BlocksRemoved((1,)), BlocksStored((3,))))
+    b3 = log.publish((BlocksStored((1,)),))
+    ix.apply("r", [b3])  # early (came on the other path first)
+    assert ix.cached_blocks("r", [2]) == 0
+    ix.apply("r", [b2, b1, b2])  # out of order and duplicated
+    assert ix.position("r") == (log.epoch, 3, False)
+    assert ix.replicas["r"].hashes == set(log.snapshot().hashes) == {1, 2, 3}
+    assert ix.cached_blocks("r", [1, 2, 9, 3]) == 2
+
+
+def test_batches_before_the_snapshot_and_a_restarted_engine():
+    ix = KVIndex()
+    ix.apply("r", [batch("e1", 5, stored=[7])])  # arrives before the first snapshot
+    assert ix.position("r")[2]  # needs one
+    from engine.core.kv_events import KVSnapshot
+
+    ix.reset("r", KVSnapshot("e1", 4, frozenset({1})))
+    assert ix.replicas["r"].hashes == {1, 7} and ix.position("r") == ("e1", 5, False)
+    ix.apply("r", [batch("e2", 1, stored=[9])])  # the engine behind "r" restarted
+    assert ix.position("r")[2]
+    ix.reset("r", KVSnapshot("e2", 0, frozenset()))
+    assert ix.replicas["r"].hashes == {9}
+
+
+def test_a_gap_that_does_not_fill_asks_for_a_snapshot():
+    from engine.core.kv_events import KVSnapshot
+
+    ix = KVIndex()
+    ix.reset("r", KVSnapshot("e", 0, frozenset()))
+    ix.apply("r", [batch("e", s, stored=[s]) for s in range(2, MAX_EARLY + 3)])  # batch 1 lost
+    assert ix.position("r")[2] and ix.cached_blocks("r", [2]) == 0
+
+
+def test_pending_requests_hold_their_blocks_until_they_end():
+    ix = KVIndex()
+    ix.add_pending("q1", "r", [1, 2, 3])
+    assert ix.pending_blocks("r", [1, 2, 4]) == 2 and ix.pending_blocks("s", [1]) == 0
+    ix.end_pending("q1")
+    assert ix.pending_blocks("r", [1, 2, 4]) == 0
+    ix.add_pending("q2", "r", [1])
+    ix.drop("r")
+    assert ix.pending_blocks("r", [1]) == 0 and "r" not in ix.known()
+
+
+def test_guard_bounds_the_spread_under_a_hot_prefix():
+    """Every request has the same prefix, held (after the first) by replica 0: the guard keeps
+    in-flight loads within slack + 1 of each other while requests pile up."""
+    rng = random.Random(1)
+    for slack in (0.0, 2.0, 4.0):
+        inflight = [0, 0, 0]
+        for _ in range(200):
+            if rng.random() < 0.3:  # some finish
+                busy = [i for i in range(3) if inflight[i]]
+                if busy:
+                    inflight[rng.choice(busy)] -= 1
+            order, hits = rank([0, 1, 2], lambda r: inflight[r], lambda r: 10 if r == 0 else 0, slack)
+            inflight[order[0]] += 1
+            assert max(inflight) - min(inflight) <= slack + 1
+        assert hits == {0: 10, 1: 0, 2: 0}
+
+
+def test_rank_prefers_cached_within_the_guard_and_ties_to_the_less_loaded():
+    loads = {"a": 3.0, "b": 0.0, "c": 1.0}
+    order, _ = rank(list(loads), loads.get, {"a": 5, "b": 0, "c": 2}.get, slack=4)
+    assert order == ["a", "b", "c"]
+    order, _ = rank(list(loads), loads.get, {"a": 5, "b": 0, "c": 2}.get, slack=2)
+    assert order[0] == "c"  # a is past the guard
+    order, _ = rank(list(loads), loads.get, lambda r: 0, slack=4)
+    assert order[0] == "b"
