@@ -31,8 +31,8 @@ from router.backpressure import IngressQueue
 from router.ingress.kv_subscriber import KVSubscriber
 from router.ingress.output_reader import OutputReader
 from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
+from router.replica_choice import placement
 from router.replica_choice.kv_index import kv_index
-from router.replica_choice.local_load import local_load
 from router.replica_choice.routing_log import routing_log
 
 if TYPE_CHECKING:
@@ -113,6 +113,7 @@ class EngineClient:
             )
             submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
             replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
+            placement.confirmed(request_id, replica)
             self.channels.attach(replica, request_id)
             first = True
             while not done:
@@ -130,8 +131,7 @@ class EngineClient:
             self.queue.done(request_id)
             self._waiting.pop(request_id, None)
             if submit is not None:
-                local_load.done(request_id)
-                kv_index.end_pending(request_id)
+                placement.ended(request_id)
             if added and not done:
                 self.outputs.abort_request(request_id)
             if replica is not None:

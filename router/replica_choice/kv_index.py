@@ -123,6 +123,12 @@ class KVIndex:
             with self._lock:
                 self.pending[request_id] = (replica, hashes)
 
+    def move_pending(self, request_id: str, replica: str) -> None:
+        with self._lock:
+            p = self.pending.get(request_id)
+            if p is not None and p[0] != replica:
+                self.pending[request_id] = (replica, p[1])
+
     def end_pending(self, request_id: str) -> None:
         with self._lock:
             self.pending.pop(request_id, None)

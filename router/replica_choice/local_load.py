@@ -6,8 +6,9 @@ import threading
 
 
 class LocalLoad:
-    """Requests this process runs on each engine replica: +1 when Serve routes a `submit`
-    (`on_request_routed`, in Serve's routing loop), -1 when the router ends the request."""
+    """Requests this process runs on each engine replica: +1 when the replica choice picks one
+    for a `submit` (then moved if Serve sent it elsewhere, once `submit` answers with the
+    replica), -1 when the router ends the request."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # Serve's routing loop may run on its own thread
@@ -16,10 +17,16 @@ class LocalLoad:
         self.counts: dict[str, int] = {}
 
     def routed(self, request_id: str, replica: str) -> None:
+        """Count the request on `replica` (moved there if it was counted elsewhere)."""
         with self._lock:
             if request_id in self._ended:
                 self._ended.discard(request_id)
                 return
+            before = self._replica_of.get(request_id)
+            if before == replica:
+                return
+            if before is not None:
+                self.counts[before] -= 1
             self._replica_of[request_id] = replica
             self.counts[replica] = self.counts.get(replica, 0) + 1
 
@@ -35,9 +42,6 @@ class LocalLoad:
 
     def get(self, replica: str) -> int | None:
         return self.counts.get(replica)
-
-
-local_load = LocalLoad()
 
 
 local_load = LocalLoad()

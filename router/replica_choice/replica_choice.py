@@ -15,7 +15,9 @@ deployment:
       - cache-aware: the replica holding the longest cached prefix of the prompt, within a
         load guard (`cache_aware.py`), from the exact index of the replicas' KV events
         (`kv_index.py`); a routed request's blocks count as held there at once (pending).
-    Every decision is recorded in `routing_log` (predicted cached tokens; `/metrics`).
+    The first-ranked replica counts the request at once (`placement.tentative`); the ingress
+    confirms where it runs when `submit` answers (`placement.confirmed`). Every decision is
+    recorded in `routing_log` (predicted cached tokens; `/metrics`).
 
 `registry.known_replicas(app, deployment)` lists the replicas a router in this process knows,
 so the ingress can fan out stats and health checks; `local_load` counts its running requests.
@@ -24,7 +26,6 @@ so the ingress can fan out stats and health checks; `local_load` counts its runn
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 import time
 from typing import Any
@@ -37,11 +38,10 @@ import router.replica_choice.cache_aware as cache_aware
 import router.replica_choice.kv_index as kv_index_module
 import router.replica_choice.least_loaded as least_loaded
 import router.replica_choice.local_load as local_load_module
+import router.replica_choice.placement as placement
 import router.replica_choice.registry as registry
 import router.replica_choice.routing_log as routing_log_module
 from engine.core.block_hash import prompt_hit_hashes
-
-log = logging.getLogger(__name__)
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
@@ -59,8 +59,6 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         self.policy, self.block_size, self.slack = policy, block_size, slack
         self._turn = itertools.count()
-        # request id -> (prompt hashes, cached blocks per replica), from choose to routed.
-        self._seen: dict[str, tuple[list[int], dict[str, int]]] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.replicas = list(replicas)
@@ -84,25 +82,30 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
             return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
         if not candidate_replicas:
             return []
+        msg = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if msg is not None and pending_request.metadata.call_method != "submit":
+            msg = None  # an unpinned control call (stats): no request to place
+        hashes: list[int] = []
+        predicted: dict[str, int] = {}
         if self.policy == "round-robin":
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             k = next(self._turn) % len(ordered)
-            return [[r] for r in ordered[k:] + ordered[:k]]
-        if self.policy == "cache-aware" and pending_request is not None and pending_request.args:
-            return self._cache_aware(candidate_replicas, pending_request.args[0])
-        scored = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
-        return [[r] for r in scored]
+            ranked = ordered[k:] + ordered[:k]
+        elif self.policy == "cache-aware" and msg is not None:
+            t0 = time.perf_counter()
+            ranked, hashes, predicted = self._cache_aware(candidate_replicas, msg)
+            routing_log_module.routing_log.timed(time.perf_counter() - t0)
+        else:
+            ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
+        if msg is not None:
+            placement.tentative(msg.request_id, ranked[0].replica_id.unique_id, self.policy, hashes, predicted)
+        return [[r] for r in ranked]
 
-    def _cache_aware(self, candidates: list[RunningReplica], msg: Any) -> list[list[RunningReplica]]:
-        t0 = time.perf_counter()
-        seen = self._seen.get(msg.request_id)
-        if seen is None:
-            if len(self._seen) > 4096:  # requests that were never routed (cancelled, refused)
-                self._seen.clear()
-            no_hits = msg.params.prompt_logprobs is not None  # the engine looks nothing up then
-            hashes = [] if no_hits else prompt_hit_hashes(msg.prompt_token_ids, self.block_size)
-            seen = self._seen[msg.request_id] = (hashes, {})
-        hashes, hits = seen
+    def _cache_aware(
+        self, candidates: list[RunningReplica], msg: Any
+    ) -> tuple[list[RunningReplica], list[int], dict[str, int]]:
+        no_hits = msg.params.prompt_logprobs is not None  # the engine looks nothing up then
+        hashes = [] if no_hits else prompt_hit_hashes(msg.prompt_token_ids, self.block_size)
         index = kv_index_module.kv_index
 
         def cached(r: RunningReplica) -> int:
@@ -110,19 +113,5 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
             return max(index.cached_blocks(rid, hashes), index.pending_blocks(rid, hashes)) if hashes else 0
 
         ranked, found = cache_aware.rank(candidates, self.load, cached, self.slack)
-        hits.update((r.replica_id.unique_id, n) for r, n in found.items())
-        routing_log_module.routing_log.timed(time.perf_counter() - t0)
-        return [[r] for r in ranked]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
-        if pending_request.metadata.call_method != "submit" or not pending_request.args:
-            return
-        msg, replica = pending_request.args[0], replica_id.unique_id
-        local_load_module.local_load.routed(msg.request_id, replica)
-        hashes, hits = self._seen.pop(msg.request_id, ([], {}))
-        predicted = hits.get(replica, 0) * self.block_size
-        kv_index_module.kv_index.add_pending(msg.request_id, replica, hashes)
-        routing_log_module.routing_log.routed(msg.request_id, replica, self.policy, predicted)
-        log.debug(
-            "request %s -> replica %s (%s, predicted cached tokens %d)", msg.request_id, replica, self.policy, predicted
-        )
+        predicted = {r.replica_id.unique_id: n * self.block_size for r, n in found.items()}
+        return ranked, hashes, predicted

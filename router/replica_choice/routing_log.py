@@ -24,6 +24,8 @@ class RoutingLog:
         self._lock = threading.Lock()
         self.decisions: collections.OrderedDict[str, Decision] = collections.OrderedDict()
         self.per_replica: dict[str, dict[str, int]] = {}
+        # request id -> (policy, predicted cached tokens per candidate replica), until routed
+        self._proposals: collections.OrderedDict[str, tuple[str, dict[str, int]]] = collections.OrderedDict()
         self.decision_seconds = 0.0
         self.num_decisions = 0
 
@@ -38,14 +40,25 @@ class RoutingLog:
             self.decision_seconds += seconds
             self.num_decisions += 1
 
-    def routed(self, request_id: str, replica: str, policy: str, predicted_tokens: int) -> None:
+    def proposed(self, request_id: str, policy: str, predicted_tokens: dict[str, int]) -> None:
+        """The replica choice ranked the candidates (it may run again for the same request)."""
         with self._lock:
+            self._proposals[request_id] = (policy, predicted_tokens)
+            if len(self._proposals) > KEEP:
+                self._proposals.popitem(last=False)
+
+    def routed(self, request_id: str, replica: str) -> int:
+        """The request runs on `replica` (its `submit` answered): the prediction for that one."""
+        with self._lock:
+            policy, predicted = self._proposals.pop(request_id, ("unknown", {}))
+            predicted_tokens = predicted.get(replica, 0)
             self.decisions[request_id] = Decision(replica, policy, predicted_tokens)
             if len(self.decisions) > KEEP:
                 self.decisions.popitem(last=False)
             c = self._counts(replica)
             c["routed"] += 1
             c["predicted_cached_tokens"] += predicted_tokens
+            return predicted_tokens
 
     def finished(self, request_id: str, actual_tokens: int) -> None:
         with self._lock:
