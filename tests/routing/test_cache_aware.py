@@ -84,13 +84,13 @@ def engine_stats(url: str) -> list[dict]:
     return ingress.replica_stats.remote().result()
 
 
-def wait_replicas(url: str, n: int, exclude: set[str] = frozenset(), timeout: float = 180) -> list[dict]:
+def wait_replicas(url: str, n: int, exclude: set[str] = frozenset(), timeout: float = 300) -> list[dict]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             stats = engine_stats(url)
             ids = {s["replica_id"] for s in stats}
-            if len(ids) == n and not ids & exclude and httpx.get(f"{url}/health", timeout=10).status_code == 200:
+            if len(ids) == n and not ids & exclude and httpx.get(f"{url}/health", timeout=30).status_code == 200:
                 return stats
         except Exception:  # noqa: BLE001 - replicas or the router are coming back
             pass
@@ -98,45 +98,33 @@ def wait_replicas(url: str, n: int, exclude: set[str] = frozenset(), timeout: fl
     raise AssertionError(f"{n} replicas never came back")
 
 
-def test_predictions_are_exact_through_evictions_and_a_replica_restart(cache_cluster):
-    url, handle = cache_cluster["url"], cache_cluster["handle"]
-    t0 = time.monotonic()
-    ids = multi_tenant(url, range(6), 2, seed=1)  # 6 tenants x ~12 blocks: evictions at 22 blocks/replica
-    ids += multi_turn(url, 3, 3, seed=2)
-    print("trace", time.monotonic() - t0)
-    rows = check_exact(handle, ids)
-    assert sum(r["predicted_cached_tokens"] > 0 for r in rows) >= len(rows) // 3  # hits were routed to
-    assert len({r["replica"] for r in rows}) == 3
-
-    stats = engine_stats(url)
-    assert sum(s["num_evictions"] for s in stats) > 0  # the trace evicted blocks
-    victim = max(stats, key=lambda s: s["blocks_cached"])
-    os.kill(victim["pid"], signal.SIGKILL)
-    t0 = time.monotonic()
-    wait_replicas(url, 3, exclude={victim["replica_id"]})
-    print("restart", time.monotonic() - t0)
-    time.sleep(2.0)  # the feed's watcher polls the replica list every 0.5 s
-
-    after = multi_tenant(url, range(4), 2, seed=3) + multi_turn(url, 2, 2, seed=4)
-    rows = check_exact(handle, after)
-    assert victim["replica_id"] not in {r["replica"] for r in rows}
-
-
-def test_router_restart_rebuilds_its_index_from_snapshots(cache_cluster):
+def test_predictions_are_exact_through_evictions_and_restarts(cache_cluster):
+    """One trace; then a replica and the router are killed together (one recovery wait, ~2 min
+    here); the trace goes on: the new router's index, rebuilt from the surviving replicas'
+    snapshots, still predicts exactly, and hits on what they cached before."""
     import ray
 
     url, handle = cache_cluster["url"], cache_cluster["handle"]
-    warm = multi_tenant(url, range(2), 2, seed=5)
-    check_exact(handle, warm)
+    ids = multi_tenant(url, range(6), 2, seed=1)  # 6 tenants x ~12 blocks: evictions at 22 blocks/replica
+    ids += multi_turn(url, 3, 3, seed=2)
+    rows = check_exact(handle, ids)
+    assert sum(r["predicted_cached_tokens"] > 0 for r in rows) >= len(rows) // 3  # hits were routed to
+    assert len({r["replica"] for r in rows}) == 3
+    stats = engine_stats(url)
+    assert sum(s["num_evictions"] for s in stats) > 0  # the trace evicted blocks
+
+    victim = min(stats, key=lambda s: s["blocks_cached"])
+    os.kill(victim["pid"], signal.SIGKILL)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "Ingress" in a["name"]]
     assert len(names) == 1, names
     ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    wait_replicas(url, 3)
-    time.sleep(2.0)
-    after = multi_tenant(url, range(2), 2, seed=6)
+    wait_replicas(url, 3, exclude={victim["replica_id"]})
+    time.sleep(3.0)  # the new router's feed: replica list polled every 0.5 s, then snapshots
+
+    after = multi_tenant(url, range(6), 1, seed=3) + multi_turn(url, 2, 2, seed=4)
     rows = check_exact(handle, after)
-    # The tenants' prefixes were cached before the restart: the new router knows it.
-    assert all(r["predicted_cached_tokens"] > 0 for r in rows[:2]), rows
+    assert victim["replica_id"] not in {r["replica"] for r in rows}
+    assert sum(r["predicted_cached_tokens"] > 0 for r in rows[:6]) >= 2, rows[:6]  # known from snapshots
 
 
 def test_hot_prefix_storm_stays_within_the_load_guard(cache_cluster):
