@@ -1,4 +1,5 @@
-"""Build the Serve application: engine replicas (one per TP group) behind one router.
+"""Build the Serve application: engine replicas (one per TP group) behind one router; one engine
+deployment per model pool (`AppConfig.models`), all behind the same router.
 
 From Python::
 
@@ -16,6 +17,7 @@ From a Serve config: `serve run deploy/serve.yaml` (import_path `router.app:app_
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 from ray.serve.config import RequestRouterConfig
@@ -73,11 +75,27 @@ def routing_kwargs(cfg: AppConfig) -> dict:
     return {"policy": policy, "block_size": cfg.block_size}
 
 
+def engine_deployment_names(cfg: AppConfig) -> list[str]:
+    """The engine deployment of each pool, in `cfg.pool_configs()` order: `EngineReplica` for the
+    one pool of `models=None` (as always), else `EngineReplica-<pool name>` (characters Serve or
+    a shell could trip on replaced by `_`; a clash gets a `-<index>` suffix)."""
+    if cfg.models is None:
+        return [EngineReplica.name]
+    names: list[str] = []
+    for i, pool in enumerate(cfg.models):
+        name = f"{EngineReplica.name}-{re.sub(r'[^A-Za-z0-9_.-]', '_', pool.name)}"
+        names.append(f"{name}-{i}" if name in names else name)
+    return names
+
+
 def required_cpus(cfg: AppConfig) -> float:
-    """Logical CPUs the app reserves (engine placement groups at num_replicas, and the router)."""
-    o = engine_deployment_options(cfg)
-    per_replica = sum(b.get("CPU", 0) for b in o["placement_group_bundles"])
-    return cfg.num_replicas * per_replica + cfg.router_replicas * cfg.router_cpus
+    """Logical CPUs the app reserves (every pool's engine placement groups at its num_replicas,
+    and the router)."""
+    total = 0.0
+    for pool in cfg.pool_configs():
+        o = engine_deployment_options(pool)
+        total += pool.num_replicas * sum(b.get("CPU", 0) for b in o["placement_group_bundles"])
+    return total + cfg.router_replicas * cfg.router_cpus
 
 
 def build_app(cfg: AppConfig | dict | None = None) -> Application:
@@ -86,16 +104,26 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         cfg = AppConfig()
     elif isinstance(cfg, dict):
         cfg = AppConfig(**cfg)
-    cfg, engine_options = autoscaled(cfg, engine_deployment_options(cfg))  # no-op without cfg.autoscaling
-    engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
-    engine = EngineReplica.options(**engine_options).bind(cfg.engine_args(), cfg.max_queued_requests_per_replica)
+    engines, pools = {}, []
+    for name, pool in zip(engine_deployment_names(cfg), cfg.pool_configs()):
+        pool, engine_options = autoscaled(pool, engine_deployment_options(pool))  # no-op without cfg.autoscaling
+        engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
+        engines[pool.model_name] = EngineReplica.options(name=name, **engine_options).bind(
+            pool.engine_args(), pool.max_queued_requests_per_replica
+        )
+        pools.append(pool)
+    if cfg.models is None:
+        cfg = pools[0]  # autoscaled: num_replicas is what the router's /health expects
+    else:
+        models = [m.model_copy(update={"num_replicas": p.num_replicas}) for m, p in zip(cfg.models, pools)]
+        cfg = cfg.model_copy(update={"models": models, "autoscaling": pools[0].autoscaling})
     ingress = Ingress.options(
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
-        max_ongoing_requests=max(1000, 4 * cfg.max_queued_requests),
+        max_ongoing_requests=max(1000, 4 * sum(p.max_queued_requests for p in pools)),
         graceful_shutdown_timeout_s=5.0,
     )
-    return ingress.bind(engine, cfg.model_dump())
+    return ingress.bind(engines, cfg.model_dump())
 
 
 def app_builder(args: AppConfig) -> Application:

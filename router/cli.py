@@ -3,6 +3,8 @@
     orbital serve                      # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     orbital serve --model ./my-llama --tp 2 --replicas 2 --port 8080 --api-key secret
     orbital serve --autoscaling deploy/autoscaling.yaml   # 1..max replicas, by load
+    orbital serve --model-pool name=small,replicas=2 --model-pool name=big,model=./llama,tp=2 \
+                  --alias chat=small,big                  # two models, a tier that overflows
 
 (`python -m router.cli serve ...` does the same without the console script.)
 """
@@ -27,6 +29,38 @@ def _d(field: str):
     from router.config import AppConfig
 
     return AppConfig.model_fields[field].default
+
+
+# Short keys of --model-pool beside ModelPool's own field names (with - or _).
+POOL_KEYS = {"replicas": "num_replicas", "tp": "tensor_parallel_size"}
+
+
+def parse_model_pool(spec: str) -> dict:
+    """`name=NAME,model=PATH,dtype=...,replicas=N,tp=N,max-num-seqs=N,...` -> a ModelPool mapping
+    (values stay strings; AppConfig validates them)."""
+    from router.config import ModelPool
+
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        key = POOL_KEYS.get(key, key)
+        if not eq or key not in ModelPool.model_fields:
+            known = sorted(set(ModelPool.model_fields) | set(POOL_KEYS))
+            raise argparse.ArgumentTypeError(f"{item!r}: expected KEY=VALUE with KEY one of {known}")
+        out[key] = value.strip()
+    if not out.get("name"):
+        raise argparse.ArgumentTypeError(f"{spec!r}: name=NAME is required")
+    return out
+
+
+def parse_alias(spec: str) -> tuple[str, list[str]]:
+    """`NAME=pool1,pool2` -> (NAME, [pool1, pool2])."""
+    name, eq, pools = spec.partition("=")
+    tier = [p.strip() for p in pools.split(",") if p.strip()]
+    if not eq or not name.strip() or not tier:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected NAME=pool1,pool2,...")
+    return name.strip(), tier
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +120,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="YAML",
         help="autoscaling policy file (deploy/autoscaling.yaml); replaces --replicas",
     )
+    s.add_argument(
+        "--model-pool",
+        dest="model_pools",
+        action="append",
+        type=parse_model_pool,
+        default=None,
+        metavar="name=NAME,model=PATH,...",
+        help="serve several models: one engine deployment per pool (repeat the flag); keys: name (required, "
+        "what clients pass as `model`), model, dtype, replicas, tp, kv-cache-memory-bytes, max-model-len, "
+        "max-num-seqs, max-num-batched-tokens, max-queued-requests-per-replica, max-queued-requests; a key left "
+        "out takes the flag's value. The first pool answers requests that name no model (and TGI routes).",
+    )
+    s.add_argument(
+        "--alias",
+        dest="aliases",
+        action="append",
+        type=parse_alias,
+        default=None,
+        metavar="NAME=pool1,pool2",
+        help="a model name for an ordered list of pools (a tier): requests go to the first and move to the "
+        "next only when it sheds load (429); repeatable",
+    )
     return p
 
 
@@ -93,11 +149,16 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
     from router.config import AppConfig
 
     cores = a.num_cpus or os.cpu_count() or 1
-    workers = a.replicas * a.tp
+    pools = getattr(a, "model_pools", None)
+    replicas_tp = [
+        (int(p.get("num_replicas") or a.replicas), int(p.get("tensor_parallel_size") or a.tp)) for p in pools or [{}]
+    ]
+    workers = sum(r * tp for r, tp in replicas_tp)
     if getattr(a, "autoscaling", None):  # size CPUs for the most replicas the policy may start
         from router.controller.autoscaling_config import load_autoscaling
 
-        workers = load_autoscaling(a.autoscaling).pools["engine"].max_replicas * a.tp
+        most = load_autoscaling(a.autoscaling).pools["engine"].max_replicas
+        workers = sum(most * tp for _, tp in replicas_tp)
     cpus = max(1.0, cores // workers) if cores >= workers else cores / workers
     return AppConfig(
         model=a.model,
@@ -123,6 +184,8 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         api_key_file=a.api_key_file,
         allow_unauthenticated=a.allow_unauthenticated,
         autoscaling=getattr(a, "autoscaling", None),
+        models=pools,
+        aliases=dict(getattr(a, "aliases", None) or []),
     )
 
 
@@ -150,8 +213,9 @@ def serve_forever(a: argparse.Namespace) -> int:
         serve.start(http_options={"host": a.host, "port": a.port})
         serve.run(build_app(cfg), name="orbital", route_prefix="/")
         url = f"http://{a.host}:{a.port}"
+        names = ", ".join([p.model_name for p in cfg.pool_configs()] + [f"{k} -> {v}" for k, v in cfg.aliases.items()])
         print(
-            f"Orbital is serving {cfg.model_name} at {url}  (OpenAI: {url}/v1, TGI: {url}/generate, "
+            f"Orbital is serving {names} at {url}  (OpenAI: {url}/v1, TGI: {url}/generate, "
             f"metrics: {url}/metrics). Ctrl-C stops it.",
             flush=True,
         )

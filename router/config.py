@@ -2,6 +2,11 @@
 
 `engine_args()` builds the engine's EngineArgs fields from it: one function turns the outer
 config into the inner one, and every engine default is EngineArgs' own (`_E`), never repeated.
+
+Several models behind one endpoint: `models` lists `ModelPool`s (one engine deployment each),
+`aliases` names ordered lists of pools (tiers). `pool_configs()` is the one merge: each pool's
+fields over the top-level ones, as a complete AppConfig per pool, so every default and bound
+stays written once, here.
 """
 
 from __future__ import annotations
@@ -9,9 +14,35 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.engine_args import EngineArgs as _E
+
+
+class ModelPool(BaseModel):
+    """One served model: its own engine deployment, tokenizer and queues. A field left out (or
+    null) takes the top-level AppConfig value; AppConfig validates the merged result
+    (`AppConfig.pool_configs()`), so the bounds and defaults are AppConfig's own. To serve the
+    embedded model in a pool while the top-level `model` names another, write `model: default`."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    name: str = Field(min_length=1, description="The served name: what clients pass as `model`.")
+    model: str | None = Field(None, description="Local HF directory or .gguf file; `default` = embedded.")
+    dtype: str | None = None
+    tensor_parallel_size: int | None = None
+    num_replicas: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_queued_requests_per_replica: int | None = None
+    max_queued_requests: int | None = Field(None, description="This pool's queue bound in each router replica.")
+
+    def overrides(self) -> dict:
+        """The AppConfig fields this pool sets (its served name included)."""
+        fields = self.model_dump(exclude={"name"}, exclude_none=True)
+        return {**fields, "served_model_name": self.name}
 
 
 class AppConfig(BaseModel):
@@ -21,7 +52,9 @@ class AppConfig(BaseModel):
     model: str | None = Field(
         None, description="Local HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct."
     )
-    served_model_name: str | None = Field(None, description="Name clients pass as `model` (default: from the path).")
+    served_model_name: str | None = Field(
+        None, description="Name clients pass as `model` (default: from the path; with `models`: each pool's name)."
+    )
     dtype: str = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
     device: str = Field(_E.device, description="cpu | cuda.")
     tensor_parallel_size: int = Field(
@@ -78,6 +111,19 @@ class AppConfig(BaseModel):
         False, description="Serve without a key on a non-loopback HTTP bind (otherwise the ingress refuses to start)."
     )
 
+    # --- several models behind one endpoint ---
+    models: list[ModelPool] | None = Field(
+        None,
+        min_length=1,
+        description="Model pools, each its own engine deployment; clients pick one with `model` (none given: "
+        "the first). None = one pool from the top-level fields.",
+    )
+    aliases: dict[str, list[str]] = Field(
+        {},
+        description="Alias -> ordered pools (a tier): a request for the alias goes to the first pool and moves "
+        "to the next only when one sheds load (429).",
+    )
+
     # --- scaling (router/controller/autoscaling_config.py) ---
     autoscaling: str | dict | None = Field(
         None,
@@ -98,6 +144,41 @@ class AppConfig(BaseModel):
         if self.api_key is None and not self.api_key_file and os.environ.get("ORBITAL_API_KEY"):
             self.api_key = os.environ["ORBITAL_API_KEY"]
         return self
+
+    @model_validator(mode="after")
+    def _pools(self) -> "AppConfig":
+        if self.models is not None and self.served_model_name:
+            raise ValueError("served_model_name: with `models`, each pool's `name` is its served name")
+        names = [p.model_name for p in self.pool_configs()]  # also validates every merged pool
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"models: duplicate pool name(s) {dup}")
+        for alias, tier in self.aliases.items():
+            if alias in names:
+                raise ValueError(f"aliases: {alias!r} is also a pool name")
+            if not tier:
+                raise ValueError(f"aliases.{alias}: names no pool")
+            unknown = [p for p in tier if p not in names]
+            if unknown:
+                raise ValueError(f"aliases.{alias}: unknown pool(s) {unknown}; pools: {names}")
+            if len(set(tier)) != len(tier):
+                raise ValueError(f"aliases.{alias}: a pool appears twice in {tier}")
+        return self
+
+    def pool_configs(self) -> list["AppConfig"]:
+        """One complete AppConfig per model pool (the pool's fields over the top-level ones; no
+        `models`, no `aliases`). `models=None`: [self], one pool as the top-level fields say."""
+        if self.models is None:
+            return [self]
+        base = self.model_dump(exclude={"models", "aliases"})
+        out = []
+        for i, pool in enumerate(self.models):
+            try:
+                out.append(AppConfig(**{**base, **pool.overrides()}))
+            except ValidationError as e:
+                bad = "; ".join(f"{'.'.join(map(str, x['loc'])) or '?'}: {x['msg']}" for x in e.errors())
+                raise ValueError(f"models[{i}] ({pool.name!r}): {bad}") from None
+        return out
 
     def resolve_api_key(self) -> str | None:
         """The key requests must carry: `api_key`, else `api_key_file`'s contents, read where the

@@ -5,6 +5,7 @@ the router sums them over replicas and renders one Prometheus text page (names a
 Histograms live in the engine replicas (they see every token as it is produced), so the page
 is the same whichever router replica serves `/metrics` and however many engine replicas there
 are. The router adds only what it alone knows (rejections, requests in flight at the router).
+With several model pools (`render_pools`) each pool's series carry its own `model_name`.
 """
 
 from __future__ import annotations
@@ -169,48 +170,69 @@ def aggregate(replica_stats: list[dict]) -> dict:
 
 def render(model_name: str, replica_stats: list[dict], router: dict) -> bytes:
     """Prometheus text exposition of the aggregated stats plus the router's own numbers."""
-    agg = aggregate(replica_stats)
-    labels, lv = ["model_name"], [model_name]
-    fams = []
+    return render_pools([(model_name, replica_stats, router)])
 
-    def gauge(name: str, doc: str, value: float) -> None:
-        g = GaugeMetricFamily(f"orbital:{name}", doc, labels=labels)
-        g.add_metric(lv, value)
-        fams.append(g)
 
-    def counter(name: str, doc: str, value: float) -> None:
-        c = CounterMetricFamily(f"orbital:{name}", doc, labels=labels)
-        c.add_metric(lv, value)
-        fams.append(c)
+def render_pools(
+    pools: list[tuple[str, list[dict], dict]], tier_overflows: dict[tuple[str, str, str], int] | None = None
+) -> bytes:
+    """One page for several model pools: `pools` is (model name, its engine replicas' stats, its
+    router queue's stats) per pool; every series carries its pool's `model_name`, and each family
+    has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool) -> requests moved on."""
+    fams: dict[str, object] = {}
 
-    gauge("num_requests_running", "Requests in the engines' running batches.", agg["num_running"])
-    gauge("num_requests_waiting", "Requests waiting in the engines' queues.", agg["num_waiting"])
-    gauge("kv_cache_usage_perc", "KV cache usage (1 = full), over all replicas.", agg["kv_cache_usage"])
-    gauge("num_replicas", "Engine replicas the router knows.", len(replica_stats))
-    gauge("router_requests_in_flight", "Requests in this router replica.", router.get("in_flight", 0))
-    gauge("router_requests_queued", "Requests in this router replica with no token yet.", router.get("queued", 0))
-    for name, doc in COUNTERS.items():
-        counter(name, doc, agg[name])
-    counter(
-        "num_requests_rejected",
-        "Requests rejected with 429 (overload), router and replicas.",
-        router.get("rejected", 0) + agg["rejected"],
-    )
-    success = CounterMetricFamily(
-        "orbital:request_success", "Finished requests by finish reason.", labels=["model_name", "finished_reason"]
-    )
-    for reason in sorted(set(agg["finished"]) | {"stop", "length", "abort"}):
-        success.add_metric([model_name, reason], agg["finished"].get(reason, 0))
-    fams.append(success)
-    for name, (bounds, doc) in HISTOGRAMS.items():
-        h = agg["histograms"][name]
-        cum, buckets = 0, []
-        for bound, c in zip(list(bounds) + [float("inf")], h.counts):
-            cum += c
-            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
-        fam = HistogramMetricFamily(f"orbital:{name}", doc, labels=labels)
-        fam.add_metric(lv, buckets, h.total)
-        fams.append(fam)
+    def family(kind, name: str, doc: str, labels: tuple[str, ...] = ("model_name",)):
+        if name not in fams:
+            fams[name] = kind(f"orbital:{name}", doc, labels=list(labels))
+        return fams[name]
+
+    for model_name, replica_stats, router in pools:
+        agg = aggregate(replica_stats)
+        lv = [model_name]
+
+        def gauge(name: str, doc: str, value: float) -> None:
+            family(GaugeMetricFamily, name, doc).add_metric(lv, value)
+
+        def counter(name: str, doc: str, value: float) -> None:
+            family(CounterMetricFamily, name, doc).add_metric(lv, value)
+
+        gauge("num_requests_running", "Requests in the engines' running batches.", agg["num_running"])
+        gauge("num_requests_waiting", "Requests waiting in the engines' queues.", agg["num_waiting"])
+        gauge("kv_cache_usage_perc", "KV cache usage (1 = full), over all replicas.", agg["kv_cache_usage"])
+        gauge("num_replicas", "Engine replicas the router knows.", len(replica_stats))
+        gauge("router_requests_in_flight", "Requests in this router replica.", router.get("in_flight", 0))
+        gauge("router_requests_queued", "Requests in this router replica with no token yet.", router.get("queued", 0))
+        for name, doc in COUNTERS.items():
+            counter(name, doc, agg[name])
+        counter(
+            "num_requests_rejected",
+            "Requests rejected with 429 (overload), router and replicas.",
+            router.get("rejected", 0) + agg["rejected"],
+        )
+        success = family(
+            CounterMetricFamily,
+            "request_success",
+            "Finished requests by finish reason.",
+            ("model_name", "finished_reason"),
+        )
+        for reason in sorted(set(agg["finished"]) | {"stop", "length", "abort"}):
+            success.add_metric([model_name, reason], agg["finished"].get(reason, 0))
+        for name, (bounds, doc) in HISTOGRAMS.items():
+            h = agg["histograms"][name]
+            cum, buckets = 0, []
+            for bound, c in zip(list(bounds) + [float("inf")], h.counts):
+                cum += c
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
+            family(HistogramMetricFamily, name, doc).add_metric(lv, buckets, h.total)
+    if tier_overflows:
+        moved = family(
+            CounterMetricFamily,
+            "tier_overflows",
+            "Requests for an alias that moved from one pool of its tier to the next (the first shed load).",
+            ("alias", "from_pool", "to_pool"),
+        )
+        for (alias, src, dst), n in sorted(tier_overflows.items()):
+            moved.add_metric([alias, src, dst], n)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(fams))
+    registry.register(_Snapshot(list(fams.values())))
     return generate_latest(registry)

@@ -3,6 +3,9 @@ replica (through the engine handle's RequestRouter), detokenizes incrementally a
 
 HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/models), TGI (/, /generate,
 /generate_stream, /info), operations (/health, /metrics).
+Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or alias tier) their
+`model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
+/metrics cover every pool.
 Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
 `generate` (TGI), `models`, `health`, `metrics`.
@@ -23,15 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from router.backpressure import IngressQueue
 from router.config import AppConfig
-from router.ingress.engine_client import EngineClient
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
-from router.ingress.openai_api import OpenAIServing
+from router.ingress.model_pools import ModelPools, PoolClient
 from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, serve_http_host
-from router.ingress.tgi_api import TGIServing
-from router.metrics import render
+from router.metrics import render_pools
 from router.replica_choice.registry import known_replicas
 
 log = logging.getLogger(__name__)
@@ -47,51 +47,17 @@ def _sse(obj) -> str:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engine: DeploymentHandle, config: dict) -> None:
-        import torch
-        from transformers import AutoTokenizer
-
-        from engine.input_processor import InputProcessor
-        from engine.model_config import build_model_config
-
+    def __init__(self, engines: dict[str, DeploymentHandle] | DeploymentHandle, config: dict) -> None:
+        """`engines`: each model pool's served name -> its engine deployment's handle (one
+        handle alone: the one pool of a config without `models`)."""
         self.settings = cfg = AppConfig(**config)
         self.api_key = check_public_bind(cfg, serve_http_host())
-        self.engine = engine
-        # Text lives here: the tokenizer and the model's limits, never its weights.
-        mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
-        tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
-        inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
-        self.client = EngineClient(
-            engine,
-            tokenizer,
-            inputs,
-            IngressQueue(cfg.max_queued_requests),
-            cfg.control_timeout_s,
-            cfg.nonstream_batch_interval_s,
-        )
-        self.openai = OpenAIServing(self.client, cfg.model_name, mc.max_model_len)
-        self.tgi = TGIServing(
-            self.client,
-            cfg.model_name,
-            {
-                "model_id": cfg.model_name,
-                "model_dtype": str(mc.dtype).removeprefix("torch."),
-                "model_device_type": cfg.device,
-                "max_concurrent_requests": cfg.max_queued_requests,
-                "max_input_tokens": mc.max_model_len - 1,
-                "max_total_tokens": mc.max_model_len,
-                "version": "0.1.0",
-                "model_pipeline_tag": "text-generation",
-                "router": "orbital",
-                "max_best_of": 1,
-                "max_stop_sequences": 16,
-                "validation_workers": 1,
-                "max_client_batch_size": 1,
-                "model_sha": None,
-                "sha": None,
-                "docker_label": None,
-            },
-        )
+        if not isinstance(engines, dict):
+            engines = {cfg.pool_configs()[0].model_name: engines}
+        # Text lives here: each pool's tokenizer and model limits, never its weights.
+        self.pools = ModelPools.build(cfg, engines)
+        default = self.pools.default
+        self.engine, self.client, self.openai, self.tgi = default.handle, default.client, default.openai, default.tgi
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001
@@ -171,11 +137,11 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def http_completions(self, request: Request) -> Response:
-        return await self._respond(request, self.openai.completions)
+        return await self._respond(request, self.pools.completions)
 
     @app.post("/v1/chat/completions")
     async def http_chat_completions(self, request: Request) -> Response:
-        return await self._respond(request, self.openai.chat_completions)
+        return await self._respond(request, self.pools.chat_completions)
 
     @app.get("/v1/models", response_model=None)  # the annotation is not a response model
     async def http_models(self, request: Request) -> JSONResponse | dict:
@@ -183,7 +149,7 @@ class Ingress:
             self._auth(request)
         except APIError as e:
             return error_response(e, api_path(request))
-        return self.openai.models()
+        return self.pools.models()
 
     # --- TGI --------------------------------------------------------------------------------
 
@@ -211,46 +177,65 @@ class Ingress:
 
     # --- operations -------------------------------------------------------------------------
 
-    async def _replicas(self) -> list[str]:
-        name = self.engine.deployment_name
+    async def _replicas(self, pool: PoolClient) -> list[str]:
+        name = pool.handle.deployment_name
         ids = [r for r, _ in known_replicas(self.app_name, name)]
         if not ids:  # the handle's router starts on first use
             try:
-                await asyncio.wait_for(self.engine.stats.remote(), self.settings.control_timeout_s)
+                await asyncio.wait_for(pool.handle.stats.remote(), self.settings.control_timeout_s)
             except Exception:  # noqa: BLE001
                 pass
             ids = [r for r, _ in known_replicas(self.app_name, name)]
         return ids
 
-    async def _fan_out(self, method: str) -> list[tuple[str, object]]:
-        ids = await self._replicas()
+    async def _fan_out(self, pool: PoolClient, method: str) -> list[tuple[str, object]]:
+        ids = await self._replicas(pool)
 
         async def one(rid: str):
             try:
-                call = getattr(self.engine, method).remote(replica_id=rid)
+                call = getattr(pool.handle, method).remote(replica_id=rid)
                 return rid, await asyncio.wait_for(call, self.settings.control_timeout_s)
             except Exception as e:  # noqa: BLE001
                 return rid, e
 
         return list(await asyncio.gather(*(one(r) for r in ids)))
 
-    async def health(self) -> dict:
-        results = await self._fan_out("check_health")
+    async def _pool_health(self, pool: PoolClient) -> dict:
+        results = await self._fan_out(pool, "check_health")
         bad = [r for r, v in results if isinstance(v, BaseException)]
-        ok = len(results) >= self.settings.num_replicas and not bad
+        ok = len(results) >= pool.expected_replicas and not bad
         return {
             "status": "ok" if ok else "unavailable",
             "replicas": len(results),
-            "expected_replicas": self.settings.num_replicas,
+            "expected_replicas": pool.expected_replicas,
             "unhealthy": bad,
         }
 
-    async def replica_stats(self) -> list[dict]:
-        return [v for _, v in await self._fan_out("stats") if isinstance(v, dict)]
+    async def health(self) -> dict:
+        """ok only when every pool has its expected replicas up and answering; the top-level
+        counts are the pools' sums, `pools` has each pool's own."""
+        pools = list(self.pools)
+        each = await asyncio.gather(*(self._pool_health(p) for p in pools))
+        return {
+            "status": "ok" if all(h["status"] == "ok" for h in each) else "unavailable",
+            "replicas": sum(h["replicas"] for h in each),
+            "expected_replicas": sum(h["expected_replicas"] for h in each),
+            "unhealthy": [r for h in each for r in h["unhealthy"]],
+            "pools": {p.name: h for p, h in zip(pools, each)},
+        }
+
+    async def replica_stats(self, pool: str | None = None) -> list[dict]:
+        """Each engine replica's stats for one pool (None: the first)."""
+        return await self._stats(self.pools.get(pool))
+
+    async def _stats(self, pool: PoolClient) -> list[dict]:
+        return [v for _, v in await self._fan_out(pool, "stats") if isinstance(v, dict)]
 
     async def metrics(self) -> bytes:
-        router = self.client.queue.stats()
-        return render(self.settings.model_name, await self.replica_stats(), router)
+        pools = list(self.pools)
+        stats = await asyncio.gather(*(self._stats(p) for p in pools))
+        page = [(p.name, s, p.client.queue.stats()) for p, s in zip(pools, stats)]
+        return render_pools(page, self.pools.overflows)
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:
@@ -264,10 +249,10 @@ class Ingress:
     # --- Python handle API ------------------------------------------------------------------
 
     async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
-        return await self._call(self.openai.completions(body))
+        return await self._call(self.pools.completions(body))
 
     async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
-        return await self._call(self.openai.chat_completions(body))
+        return await self._call(self.pools.chat_completions(body))
 
     async def generate(self, body: dict) -> dict | AsyncIterator[dict]:
         if body.get("stream"):
@@ -275,8 +260,23 @@ class Ingress:
         return await self._call(self.tgi.generate(body))
 
     async def models(self) -> dict:
-        return self.openai.models()
+        return self.pools.models()
 
-    def routed_counts(self) -> dict[str, int]:
-        """Requests this router replica sent to each engine replica (tests, debugging)."""
-        return dict(self.client.replica_counts)
+    def routed_counts(self, pool: str | None = None) -> dict[str, int]:
+        """Requests this router replica sent to each engine replica of a pool (None: the first)
+        and that ended there (tests, debugging)."""
+        return dict(self.pools.get(pool).client.replica_counts)
+
+    def routing_decisions(self) -> dict[str, dict]:
+        """Recent replica choices of this router replica, by request id: replica, policy,
+        predicted and engine-reported cached prompt tokens (tests, debugging)."""
+        from router.replica_choice.routing_log import routing_log
+
+        return routing_log.recent()
+
+    def routing_stats(self) -> dict:
+        """Per engine replica: requests routed, predicted and engine-reported cached prompt
+        tokens; the decisions' CPU time (benchmarks; /metrics has the same)."""
+        from router.replica_choice.routing_log import routing_log
+
+        return routing_log.stats()

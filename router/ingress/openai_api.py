@@ -2,7 +2,8 @@
 
 `completions(body)` / `chat_completions(body)` return a response dict, or (stream=True) an async
 iterator of chunk dicts; the HTTP layer adds SSE framing and `data: [DONE]`, the Python handle
-API hands the dicts out as they are.
+API hands the dicts out as they are. One OpenAIServing serves one model pool; `served_as` is the
+name the client asked for when that is not the pool's own (an alias: `router/ingress/model_pools.py`).
 """
 
 from __future__ import annotations
@@ -64,15 +65,18 @@ class OpenAIServing:
         card = ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    def check_model(self, model: str | None) -> None:
-        if model not in (None, "", self.model_name):
+    def check_model(self, model: str | None, served_as: str | None = None) -> str:
+        """The name responses carry: `served_as` (the alias the client asked for) or the pool's own.
+        404 for any other name."""
+        if model not in (None, "", self.model_name, served_as):
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return served_as or self.model_name
 
     # --- /v1/completions --------------------------------------------------------------------
 
-    async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
+    async def completions(self, body: dict, served_as: str | None = None) -> dict | AsyncIterator[dict]:
         req = CompletionRequest.model_validate(body)
-        self.check_model(req.model)
+        name = self.check_model(req.model, served_as)
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
@@ -86,7 +90,7 @@ class OpenAIServing:
             for i, (text, ids) in enumerate(prompts)
         ]
         if req.stream:
-            return self._stream_completions(req, rid, prompts, streams, params.n)
+            return self._stream_completions(req, rid, name, prompts, streams, params.n)
         outs = await collect(streams)
         choices = []
         for i, out in enumerate(outs):
@@ -115,7 +119,7 @@ class OpenAIServing:
             "id": rid,
             "object": "text_completion",
             "created": int(arrival),
-            "model": self.model_name,
+            "model": name,
             "choices": choices,
             "usage": _usage(sum(len(ids) for _, ids in prompts), outs),
         }
@@ -132,7 +136,7 @@ class OpenAIServing:
         return self.client.tokenizer.decode(out.prompt_token_ids)
 
     async def _stream_completions(
-        self, req: CompletionRequest, rid: str, prompts, streams, n: int
+        self, req: CompletionRequest, rid: str, name: str, prompts, streams, n: int
     ) -> AsyncIterator[dict]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
@@ -149,7 +153,7 @@ class OpenAIServing:
                         "id": rid,
                         "object": "text_completion",
                         "created": created,
-                        "model": self.model_name,
+                        "model": name,
                         "choices": choices,
                     }
         if req.stream_options and req.stream_options.include_usage:
@@ -158,7 +162,7 @@ class OpenAIServing:
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": name,
                 "choices": [],
                 "usage": usage,
             }
@@ -202,9 +206,9 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ---------------------------------------------------------------
 
-    async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
+    async def chat_completions(self, body: dict, served_as: str | None = None) -> dict | AsyncIterator[dict]:
         req = ChatCompletionRequest.model_validate(body)
-        self.check_model(req.model)
+        name = self.check_model(req.model, served_as)
         if req.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
         if req.response_format is not None and req.response_format.type != "text":
@@ -223,7 +227,7 @@ class OpenAIServing:
         rid, arrival = new_request_id("chatcmpl"), time.time()
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
-            return self._stream_chat(req, rid, len(ids), stream)
+            return self._stream_chat(req, rid, name, len(ids), stream)
         (out,) = await collect([stream])
         _check_errors(out)
         choices = [
@@ -240,12 +244,14 @@ class OpenAIServing:
             "id": rid,
             "object": "chat.completion",
             "created": int(arrival),
-            "model": self.model_name,
+            "model": name,
             "choices": choices,
             "usage": _usage(len(ids), [out]),
         }
 
-    async def _stream_chat(self, req: ChatCompletionRequest, rid: str, num_prompt: int, stream) -> AsyncIterator[dict]:
+    async def _stream_chat(
+        self, req: ChatCompletionRequest, rid: str, name: str, num_prompt: int, stream
+    ) -> AsyncIterator[dict]:
         created = int(time.time())
         started: set[int] = set()
         done: set[int] = set()
@@ -256,7 +262,7 @@ class OpenAIServing:
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": self.model_name,
+                "model": name,
                 "choices": choices,
             }
 

@@ -1,0 +1,210 @@
+"""Several models behind one endpoint, in the ingress: one `PoolClient` per model pool (its engine
+deployment's handle, tokenizer, `EngineClient` with its own router queue, `OpenAIServing`,
+`TGIServing`), and `ModelPools`, which picks the pool an OpenAI request names.
+
+`model` in the body picks the pool by its served name; none (or "") picks the first pool; an
+alias (`AppConfig.aliases`) names a tier, an ordered list of pools. A request for an alias goes to
+the tier's first pool and moves to the next only when that pool sheds load: an `OverloadedError`
+(429) before the first output (the router queue's admit or the engine replica's `submit`). Any
+other error is the answer; when every pool sheds, the client gets the last pool's 429. Responses
+carry the name the client asked for. TGI routes (no model field) use the first pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator
+
+from ray.exceptions import RayTaskError
+
+from router.backpressure import IngressQueue, OverloadedError
+from router.ingress.engine_client import EngineClient
+from router.ingress.errors import APIError
+from router.ingress.openai_api import OpenAIServing
+from router.ingress.openai_models import ModelCard, ModelList
+from router.ingress.tgi_api import TGIServing
+
+if TYPE_CHECKING:
+    from ray.serve.handle import DeploymentHandle
+
+    from router.config import AppConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolClient:
+    """One model pool as the ingress sees it."""
+
+    name: str
+    handle: DeploymentHandle
+    client: EngineClient
+    openai: OpenAIServing
+    tgi: TGIServing
+    max_model_len: int
+    expected_replicas: int  # what /health wants up (num_replicas; min_replicas when autoscaled)
+
+
+def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
+    """A pool's text side from its merged config (`AppConfig.pool_configs()`): the tokenizer and
+    the model's limits from its directory, never its weights."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from engine.input_processor import InputProcessor
+    from engine.model_config import build_model_config
+
+    mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
+    tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
+    inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
+    client = EngineClient(
+        handle,
+        tokenizer,
+        inputs,
+        IngressQueue(cfg.max_queued_requests),
+        cfg.control_timeout_s,
+        cfg.nonstream_batch_interval_s,
+    )
+    info = {
+        "model_id": cfg.model_name,
+        "model_dtype": str(mc.dtype).removeprefix("torch."),
+        "model_device_type": cfg.device,
+        "max_concurrent_requests": cfg.max_queued_requests,
+        "max_input_tokens": mc.max_model_len - 1,
+        "max_total_tokens": mc.max_model_len,
+        "version": "0.1.0",
+        "model_pipeline_tag": "text-generation",
+        "router": "orbital",
+        "max_best_of": 1,
+        "max_stop_sequences": 16,
+        "validation_workers": 1,
+        "max_client_batch_size": 1,
+        "model_sha": None,
+        "sha": None,
+        "docker_label": None,
+    }
+    return PoolClient(
+        name=cfg.model_name,
+        handle=handle,
+        client=client,
+        openai=OpenAIServing(client, cfg.model_name, mc.max_model_len),
+        tgi=TGIServing(client, cfg.model_name, info),
+        max_model_len=mc.max_model_len,
+        expected_replicas=cfg.num_replicas,
+    )
+
+
+def is_overloaded(exc: BaseException) -> bool:
+    """A pool shed the request (429): the router queue refused it, or the engine replica's
+    `submit` did (then it arrives wrapped by Ray)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OverloadedError):
+            return True
+        seen.add(id(exc))
+        exc = exc.cause if isinstance(exc, RayTaskError) else None
+    return False
+
+
+async def _prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
+async def _empty() -> AsyncIterator:
+    return
+    yield
+
+
+async def _started(result: Any) -> Any:
+    """A response dict as it is; a stream once its first chunk is there (errors before it, a 429
+    among them, are raised here, where the next pool may still take the request)."""
+    if not hasattr(result, "__anext__"):
+        return result
+    try:
+        first = await result.__anext__()
+    except StopAsyncIteration:
+        return _empty()
+    except BaseException:
+        await result.aclose()
+        raise
+    return _prepend(first, result)
+
+
+class ModelPools:
+    """Every pool of this ingress, in config order (the first is the default), and the aliases."""
+
+    def __init__(self, pools: list[PoolClient], aliases: dict[str, list[str]] | None = None) -> None:
+        if not pools:
+            raise ValueError("at least one model pool is needed")
+        self.by_name = {p.name: p for p in pools}
+        self.default = pools[0]
+        self.aliases = {a: list(tier) for a, tier in (aliases or {}).items()}
+        # (alias, from pool, to pool) -> requests that moved on; every step of every tier is
+        # listed from the start, so /metrics shows the zeros.
+        self.overflows: dict[tuple[str, str, str], int] = {
+            (a, src, dst): 0 for a, tier in self.aliases.items() for src, dst in zip(tier, tier[1:])
+        }
+
+    @classmethod
+    def build(cls, cfg: AppConfig, engines: dict[str, DeploymentHandle]) -> ModelPools:
+        """One PoolClient per pool of `cfg` (the whole app's config); `engines` maps each pool's
+        served name to its engine deployment's handle."""
+        return cls([build_pool(p, engines[p.model_name]) for p in cfg.pool_configs()], cfg.aliases)
+
+    def __iter__(self) -> Iterator[PoolClient]:
+        return iter(self.by_name.values())
+
+    def get(self, name: str | None = None) -> PoolClient:
+        """A pool by its name (None: the default one)."""
+        if name is None:
+            return self.default
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found") from None
+
+    def tier(self, model: str | None) -> list[PoolClient]:
+        """The pools a request for `model` may use, in order (404 for an unknown name)."""
+        if model in self.aliases:
+            return [self.by_name[p] for p in self.aliases[model]]
+        return [self.get(model or None)]
+
+    def models(self) -> dict:
+        """/v1/models: every pool, then every alias (with its first pool's context length)."""
+        cards = [ModelCard(id=p.name, root=p.name, max_model_len=p.max_model_len) for p in self]
+        for alias, tier in self.aliases.items():
+            first = self.by_name[tier[0]]
+            cards.append(ModelCard(id=alias, root=first.name, max_model_len=first.max_model_len))
+        return ModelList(data=cards).model_dump()
+
+    async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
+        return await self._openai(body, lambda pool, name: pool.openai.completions(body, name))
+
+    async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
+        return await self._openai(body, lambda pool, name: pool.openai.chat_completions(body, name))
+
+    async def _openai(self, body: dict, call: Callable[[PoolClient, str], Awaitable]) -> dict | AsyncIterator[dict]:
+        requested = body.get("model")
+        # A `model` that is not a string is left to the pool's validation (400 naming the field).
+        model = requested if isinstance(requested, str) and requested else None
+        tier = self.tier(model)
+        served_as = model or tier[0].name
+        for i, pool in enumerate(tier):
+            last = i + 1 == len(tier)
+            try:
+                result = await call(pool, served_as)
+                # A stream's errors come with its first chunk: wait for it while another pool
+                # may still take the request.
+                return result if last else await _started(result)
+            except Exception as e:  # noqa: BLE001 - only load shedding moves on
+                if last or not is_overloaded(e):
+                    raise
+                nxt = tier[i + 1].name
+                self.overflows[(served_as, pool.name, nxt)] += 1
+                log.info("%s: pool %s is overloaded, trying %s", served_as, pool.name, nxt)
+        raise AssertionError("unreachable")  # the last pool returns or raises
