@@ -168,17 +168,27 @@ def aggregate(replica_stats: list[dict]) -> dict:
     return agg
 
 
+ROUTING_COUNTERS = {
+    "routed": "Requests this router sent to the engine replica.",
+    "predicted_cached_tokens": "Prompt tokens the router predicted cached on the replica it chose (cache-aware).",
+    "actual_cached_tokens": "Prompt tokens the engine replica reported as prefix-cache hits for those requests.",
+}
+
+
 def render(model_name: str, replica_stats: list[dict], router: dict) -> bytes:
     """Prometheus text exposition of the aggregated stats plus the router's own numbers."""
     return render_pools([(model_name, replica_stats, router)])
 
 
 def render_pools(
-    pools: list[tuple[str, list[dict], dict]], tier_overflows: dict[tuple[str, str, str], int] | None = None
+    pools: list[tuple[str, list[dict], dict]],
+    tier_overflows: dict[tuple[str, str, str], int] | None = None,
+    routing: dict | None = None,
 ) -> bytes:
     """One page for several model pools: `pools` is (model name, its engine replicas' stats, its
     router queue's stats) per pool; every series carries its pool's `model_name`, and each family
-    has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool) -> requests moved on."""
+    has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool) -> requests moved on.
+    `routing`: this router replica's `routing_log.stats()` (per engine replica decisions)."""
     fams: dict[str, object] = {}
 
     def family(kind, name: str, doc: str, labels: tuple[str, ...] = ("model_name",)):
@@ -224,6 +234,24 @@ def render_pools(
                 cum += c
                 buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cum))
             family(HistogramMetricFamily, name, doc).add_metric(lv, buckets, h.total)
+        per_replica = (routing or {}).get("per_replica", {})
+        for s in replica_stats:
+            c = per_replica.get(s.get("replica_id"))
+            if c is None:
+                continue
+            labels = ("model_name", "replica")
+            for key, doc in ROUTING_COUNTERS.items():
+                family(CounterMetricFamily, f"router_{key}", doc, labels).add_metric(
+                    [model_name, s["replica_id"]], c[key]
+                )
+    if routing is not None:
+        decisions = family(
+            CounterMetricFamily, "router_decision_seconds", "CPU time of this router's replica choices.", ()
+        )
+        decisions.add_metric([], routing["decision_seconds"])
+        family(CounterMetricFamily, "router_decisions", "Replica choices timed (cache-aware).", ()).add_metric(
+            [], routing["decisions"]
+        )
     if tier_overflows:
         moved = family(
             CounterMetricFamily,

@@ -235,7 +235,9 @@ class Ingress:
         pools = list(self.pools)
         stats = await asyncio.gather(*(self._stats(p) for p in pools))
         page = [(p.name, s, p.client.queue.stats()) for p, s in zip(pools, stats)]
-        return render_pools(page, self.pools.overflows)
+        from router.replica_choice.routing_log import routing_log
+
+        return render_pools(page, self.pools.overflows, routing_log.stats())
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from tests.router.conftest import metrics
 from tests.routing.conftest import APP
 
 pytestmark = pytest.mark.slow
@@ -112,6 +113,10 @@ def test_predictions_are_exact_through_evictions_and_restarts(cache_cluster):
     assert len({r["replica"] for r in rows}) == 3
     stats = engine_stats(url)
     assert sum(s["num_evictions"] for s in stats) > 0  # the trace evicted blocks
+    page = metrics(url)
+    predicted = sum(v for k, v in page.items() if k.startswith("orbital:router_predicted_cached_tokens_total"))
+    actual = sum(v for k, v in page.items() if k.startswith("orbital:router_actual_cached_tokens_total"))
+    assert predicted == actual == sum(r["predicted_cached_tokens"] for r in rows) > 0
 
     victim = min(stats, key=lambda s: s["blocks_cached"])
     os.kill(victim["pid"], signal.SIGKILL)
