@@ -180,6 +180,34 @@ def measure(policy: str, args, tok) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Hit rate (against the ideal) and TTFT p50/p99 per policy, one column per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 7), squeeze=False)
+    for j, w in enumerate(workloads):
+        rs = [r for r in rows if r["workload"] == w]
+        names = [r["policy"] for r in rs]
+        ax = axes[0][j]
+        ax.bar(names, [100 * r["hit_rate"] for r in rs], color="tab:blue")
+        ax.axhline(100 * rs[0]["ideal_hit_rate"], color="k", ls="--", label="ideal")
+        ax.set_title(f"{w}: prefix-cache hit rate (%)")
+        ax.legend()
+        ax = axes[1][j]
+        x = range(len(rs))
+        ax.bar([i - 0.2 for i in x], [r["ttft_p50_s"] for r in rs], width=0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [r["ttft_p99_s"] for r in rs], width=0.4, label="p99")
+        ax.set_xticks(list(x), names)
+        ax.set_title(f"{w}: TTFT (s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="cache-aware,least-loaded,round-robin")
@@ -193,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here too")
+    p.add_argument("--plot", default=None, help="write a PNG of hit rates and TTFT here")
     args = p.parse_args(argv)
 
     import ray
@@ -232,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
     return 0
 
 

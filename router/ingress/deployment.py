@@ -278,7 +278,9 @@ class Ingress:
 
     def routing_stats(self) -> dict:
         """Per engine replica: requests routed, predicted and engine-reported cached prompt
-        tokens; the decisions' CPU time (benchmarks; /metrics has the same)."""
+        tokens; the decisions' CPU time (benchmarks; /metrics has the same); and the cached
+        block hashes the KV index knows per replica."""
+        from router.replica_choice.kv_index import kv_index
         from router.replica_choice.routing_log import routing_log
 
-        return routing_log.stats()
+        return {**routing_log.stats(), "index": kv_index.sizes()}

@@ -49,7 +49,13 @@ def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs
 
 def _usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        # Prefix-cache hits, as OpenAI reports them (the engine's count at first schedule).
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
+    }
 
 
 def _check_errors(out: RequestOutput) -> None:

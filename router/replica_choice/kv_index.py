@@ -137,5 +137,10 @@ class KVIndex:
         with self._lock:
             return list(self.replicas)
 
+    def sizes(self) -> dict[str, int]:
+        """Hashes known per replica (debugging, tests)."""
+        with self._lock:
+            return {r: len(rb.hashes) for r, rb in self.replicas.items()}
+
 
 kv_index = KVIndex()
