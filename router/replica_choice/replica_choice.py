@@ -42,14 +42,20 @@ import router.replica_choice.placement as placement
 import router.replica_choice.registry as registry
 import router.replica_choice.routing_log as routing_log_module
 from engine.core.block_hash import prompt_hit_hashes
+from engine.errors import EngineDeadError
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
+
+
+class ReplicaGoneError(EngineDeadError):
+    """A call pinned to a replica this router no longer lists (stopped, drained, replaced)."""
 
 
 class ReplicaChoice(FIFOMixin, RequestRouter):
     """FIFOMixin: Serve's default matching pairs a chosen replica with its request by the
     internal request id, which the calls one HTTP request makes share (the /health fan-out's
-    pinned calls then all hung). With FIFO, a replica found goes to the oldest pending call."""
+    pinned calls then all hung). With FIFO, a replica found goes to the oldest pending call that
+    may take it (`_fulfill_next_pending_request`: never one pinned to another replica)."""
 
     replicas: list[RunningReplica] = []
     policy = "least-loaded"
@@ -63,6 +69,25 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         self.policy, self.block_size, self.slack = policy, block_size, slack
         self._turn = itertools.count()
+
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
+        """FIFOMixin's order, except that a call pinned to another replica never takes this one
+        (FIFOMixin alone hands a replica found for one call to the oldest pending call, pinned
+        elsewhere or not: a stop-string `finish`, an output channel or a health check could then
+        reach the wrong replica)."""
+        rid = replica.replica_id.unique_id
+        queue = self._pending_requests_to_fulfill
+        while queue and queue[0].future.done():
+            queue.popleft()
+        for pr in queue:
+            target = pr.kwargs.get("replica_id")
+            if pr.future.done() or (target and target != rid):
+                continue
+            self._cancel_routing_task_for_pending_request(pr)
+            self._record_queue_wait_time(pr)
+            pr.future.set_result(replica)
+            self._remove_pending_request_from_indices(pr)
+            return
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.replicas = list(replicas)
@@ -83,7 +108,14 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         target = pending_request.kwargs.get("replica_id") if pending_request is not None else None
         if target:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if chosen or pending_request is None:
+                return [chosen]
+            # Fail now rather than wait for a replica that will not come back. Serve's loop
+            # only looks at the request when we return some replicas; it then sees it done.
+            if not pending_request.future.done():
+                pending_request.future.set_exception(ReplicaGoneError(f"engine replica {target} is gone"))
+            return [list(candidate_replicas)] if candidate_replicas else []
         if not candidate_replicas:
             return []
         msg = pending_request.args[0] if pending_request is not None and pending_request.args else None

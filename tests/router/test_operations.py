@@ -197,6 +197,22 @@ def test_pinned_calls_reach_their_replica_under_concurrency(serve_cluster):
     assert all(t == g for t, g in pairs), [p for p in pairs if p[0] != p[1]]
 
 
+def test_call_pinned_to_a_gone_replica_fails_at_once(serve_cluster):
+    """A replica that left the router's list (stopped, replaced) answers nothing: a call pinned
+    to it fails with a 503-class error at once instead of waiting for its timeout."""
+    from ray import serve
+
+    from router.replica_choice.replica_choice import ReplicaGoneError
+
+    engine = serve.get_deployment_handle("EngineReplica", app_name="main")
+    engine.stats.remote().result()  # the handle's router knows the replicas
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaGoneError):
+        engine.stats.remote(replica_id="no-such-replica").result(timeout_s=30)
+    assert time.monotonic() - t0 < 5
+    assert engine.stats.remote().result()["replica_id"]  # the router still routes
+
+
 def test_disconnects_leave_other_streams_alone(base_url):
     """Clients that open the first streams on each replica (their requests open the router's
     output channels) go away while others stream: the others finish in full, and every
