@@ -25,7 +25,6 @@ class EngineStats:
     prefix_cache_hits: int = 0  # cumulative, in tokens
     prefix_hit_rate: float = 0.0
     num_evictions: int = 0  # cumulative: cached blocks reused for other contents
-    kv_events_seq: int = 0  # the last published KV event batch (engine/core/kv_events.py)
     kv_waste: float = 0.0  # share of the running requests' allocated slots holding no token
     # time.monotonic() arrival of the oldest request never scheduled yet (None: there is none)
     oldest_unscheduled_arrival: float | None = None

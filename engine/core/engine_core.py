@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -47,7 +46,7 @@ class EngineCore:
         self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
 
     def snapshot(self) -> EngineStats:
-        return dataclasses.replace(self.scheduler.snapshot(), kv_events_seq=self.kv_events.seq)
+        return self.scheduler.snapshot()
 
     def stats(self) -> dict:
         return self.scheduler.stats()
