@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from engine import SamplingParams
+from tests.engine.test_tiny_models import _save_tiny
 from tests.net import wait_healthy
 from tests.router.conftest import BASE
 
@@ -23,34 +24,10 @@ PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 
 
-def _save_tiny_llama(path, tokenizer) -> None:
-    """A 2-layer, 64-wide Llama with random weights and SmolLM2's tokenizer (as
-    tests/engine/test_tiny_models.py builds them): loads in a second, answers in milliseconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(cfg).float().eval().save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm_tokenizer):
     path = tmp_path_factory.mktemp("tiny-llama")
-    _save_tiny_llama(path, smollm_tokenizer)
+    _save_tiny("llama3", path, smollm_tokenizer)  # the tiny random Llama of the engine tests
     return str(path)
 
 
