@@ -67,3 +67,11 @@ def test_dropped_token_stream_aborts(engine, how):
     s = _idle(engine)
     assert s["num_running"] == 0 and s["blocks_used"] == 0, s
     assert engine.step_count - steps_before < 60  # far from the 500 tokens asked for
+
+
+def test_engine_that_fails_to_build_raises_in_the_caller(tmp_path):
+    """The step thread builds the engine (one OpenMP team for load and steps); a build error
+    still reaches the caller, and the failed engine leaves no thread behind."""
+    with pytest.raises(Exception) as err:
+        AsyncEngine(EngineArgs(model=str(tmp_path / "no-such-model"), num_threads=1))
+    assert "no-such-model" in str(err.value)
