@@ -91,12 +91,20 @@ def _unwrap(exc: BaseException) -> BaseException:
 
 
 def _loc(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p not in ("body",)]
+    # Union members show up in the location ("stop.list[str]", "max_tokens.constrained-int"): not
+    # a field the client wrote.
+    parts = [str(p) for p in loc if p != "body" and not _is_union_tag(p)]
     return ".".join(parts) if parts else "body"
 
 
+def _is_union_tag(p: object) -> bool:
+    return isinstance(p, str) and (p in ("str", "int", "float", "bool") or "[" in p or p.startswith("constrained-"))
+
+
 def from_validation_error(e: ValidationError | RequestValidationError) -> APIError:
-    errs = e.errors()
+    # A value that fits no member of a union fails once per member; the member whose type
+    # matched says what is wrong ("at most 16 items"), the others only "not a string".
+    errs = sorted(e.errors(), key=lambda x: str(x.get("type", "")).endswith("_type"))
     first = errs[0] if errs else {"loc": (), "msg": str(e)}
     param = _loc(tuple(first.get("loc", ())))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""

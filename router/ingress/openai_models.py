@@ -8,7 +8,7 @@ as OpenAI-compatible servers do. Streaming chunks are built as plain dicts in op
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,25 +22,32 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+# Bounds as SamplingParams checks them, so the schema (clients, fuzzers) knows what is valid.
+StopStrings = Annotated[list[str], Field(max_length=16)]
+TokenId = Annotated[int, Field(ge=0)]
+MaxTokens = Annotated[int, Field(ge=1)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+
+
 class _SamplingFields(_Request):
     """Fields both endpoints share; names as in the OpenAI API (+ vLLM extensions)."""
 
     model: str | None = None
-    n: int = Field(1, description="Completions per prompt.")
-    temperature: float | None = Field(None, description="0 = greedy; default 1.")
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="-1 or 0: disabled (extension).")
-    min_p: float | None = Field(None, description="Extension.")
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = Field(None, description="Extension.")
+    n: int = Field(1, ge=1, le=128, description="Completions per prompt.")
+    temperature: float | None = Field(None, ge=0, description="0 = greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: disabled (extension).")
+    min_p: float | None = Field(None, ge=0, le=1, description="Extension.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, description="Extension.")
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = Field(None, description="Extension.")
+    stop: str | StopStrings | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, description="Extension.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past EOS.")
-    min_tokens: int = Field(0, description="Extension.")
+    min_tokens: int = Field(0, ge=0, description="Extension.")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
@@ -52,8 +59,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="A string, a list of strings, token ids, or a list of token-id lists."
     )
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, description="Top logprobs per token (0-20).")
+    max_tokens: MaxTokens | None = 16
+    logprobs: TopLogprobs | None = Field(None, description="Top logprobs per token (0-20).")
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -83,10 +90,10 @@ class ResponseFormat(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, description="Deprecated alias of max_completion_tokens.")
-    max_completion_tokens: int | None = None
+    max_tokens: MaxTokens | None = Field(None, description="Deprecated alias of max_completion_tokens.")
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True

@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest
+from router.ingress.response_models import SSE, SUCCESS, Health
 from router.ingress.tgi_models import GenerateRequest
 
 REF = "#/components/schemas/{model}"
@@ -66,6 +67,30 @@ def _error_responses(errors: dict[str, str], schema: str) -> dict[str, Any]:
     return {code: {"description": text, "content": content} for code, text in errors.items()}
 
 
+def _add_schema(schemas: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
+    """Put `model` (and the models it uses) into the components; returns its $ref."""
+    model_schema = model.model_json_schema(ref_template=REF)
+    schemas.update(model_schema.pop("$defs", {}))
+    schemas[model.__name__] = model_schema
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _sse_event(ref: dict[str, str]) -> dict[str, Any]:
+    """One server-sent event: its `data` is the JSON text of `ref` (or `[DONE]`, last, on the
+    OpenAI routes). The JSON Schema 2020-12 content keywords say so; clients parse it."""
+    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": ref}
+    return {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
+
+
+def _success(schemas: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
+    content = {
+        ctype: {"schema": _sse_event(_add_schema(schemas, m)) if ctype == SSE else _add_schema(schemas, m)}
+        for ctype, m in bodies.items()
+    }
+    text = "The answer." if len(bodies) == 1 else "The answer; with `stream`, server-sent events, one per `data:` line."
+    return {"description": text, "content": content}
+
+
 def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
     """A replacement for `app.openapi` (FastAPI caches the result on the app)."""
 
@@ -75,16 +100,23 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
         spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(SCHEMAS)
+        for (path, method), bodies in SUCCESS.items():
+            op = spec["paths"].get(path, {}).get(method)
+            if op is not None:
+                op["responses"]["200"] = _success(schemas, bodies)
+        health = spec["paths"].get("/health", {}).get("get")
+        if health is not None:
+            health["responses"]["503"] = {
+                "description": "A pool lacks replicas, or one did not answer its health check.",
+                "content": {"application/json": {"schema": _add_schema(schemas, Health)}},
+            }
         for (path, method), model in BODIES.items():
             op = spec["paths"].get(path, {}).get(method)
             if op is None:
                 continue
-            model_schema = model.model_json_schema(ref_template=REF)
-            schemas.update(model_schema.pop("$defs", {}))
-            schemas[model.__name__] = model_schema
             op["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}},
+                "content": {"application/json": {"schema": _add_schema(schemas, model)}},
             }
             tgi = not path.startswith("/v1/")
             op["responses"].pop("422", None)  # FastAPI's own validation error: never sent

@@ -11,7 +11,6 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from router.ingress.engine_client import EngineClient, new_request_id
@@ -21,14 +20,8 @@ from router.ingress.tgi_models import Details, GenerateParameters, GenerateReque
 
 
 def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParams:
-    if p.grammar is not None:
-        raise InvalidRequestError("grammar is not supported", param="grammar")
-    if p.best_of not in (None, 1):
-        raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
-    if p.temperature is not None and p.temperature <= 0:
-        raise InvalidRequestError("`temperature` must be strictly positive", param="temperature")
-    if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= 20:
-        raise InvalidRequestError("`top_n_tokens` must be in [0, 20]", param="top_n_tokens")
+    # GenerateParameters' own bounds refuse grammar, best_of > 1, temperature <= 0, top_n_tokens
+    # outside [0, 20] (and the schema says so); SamplingParams checks the rest.
     sample = (
         p.do_sample
         or (p.temperature not in (None, 1.0))
@@ -73,6 +66,10 @@ class TGIServing:
         p = req.parameters
         params = sampling_params(p, want_logprobs=stream or p.details)
         text, ids = self.client.inputs.tokenize(req.inputs)
+        if "max_new_tokens" not in p.model_fields_set and params.max_tokens is not None:
+            # TGI's default of 100 is not something the client asked for: never refuse a request
+            # over it, take what the context has left.
+            params.max_tokens = max(1, min(params.max_tokens, self.info_body["max_total_tokens"] - len(ids)))
         out_stream = self.client.generate(new_request_id("tgi"), text, ids, params, time.time(), stream=stream)
         return req, ids, out_stream
 

@@ -6,7 +6,7 @@ Field names and defaults follow text-generation-inference, which is what
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,24 +14,25 @@ from pydantic import BaseModel, ConfigDict, Field
 class GenerateParameters(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN/inf: 400, not a sampler fault
 
-    max_new_tokens: int | None = Field(100, description="Tokens to generate (TGI's default: 100).")
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    max_new_tokens: int | None = Field(100, ge=1, description="Tokens to generate (TGI's default: 100).")
+    # Bounds as the handler and SamplingParams check them, so the schema says what is valid.
+    temperature: float | None = Field(None, gt=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
     typical_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(None, gt=0)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     do_sample: bool = False
-    stop: list[str] = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list, max_length=16)
     seed: int | None = None
     details: bool = False
     decoder_input_details: bool = False
     return_full_text: bool | None = False
-    top_n_tokens: int | None = None
-    best_of: int | None = None
+    top_n_tokens: int | None = Field(None, ge=0, le=20)
+    best_of: Literal[1] | None = Field(None, description="Only 1 (no best-of sampling).")
     truncate: int | None = None
     watermark: bool = False
-    grammar: Any | None = None
+    grammar: None = Field(None, description="Not supported: must be null.")
     adapter_id: str | None = None
 
 

@@ -75,7 +75,7 @@ def test_bad_values(base_url):
             json={"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
         ),
         400,
-        "max_tokens",
+        "max_completion_tokens",  # the field the client sent
     )
 
 

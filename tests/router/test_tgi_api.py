@@ -66,6 +66,6 @@ def test_generate_routes(base_url):
 def test_validation_error_shape(base_url):
     r = httpx.post(f"{base_url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 0}}, timeout=30)
     assert r.status_code == 422
-    assert r.json()["error_type"] == "validation" and "max_tokens" in r.json()["error"]
+    assert r.json()["error_type"] == "validation" and "max_new_tokens" in r.json()["error"]
     r = httpx.post(f"{base_url}/generate", json={"parameters": {}}, timeout=30)
     assert r.status_code == 422 and r.json()["error_type"] == "validation"

@@ -128,10 +128,11 @@ def test_tgi_sampling():
     s = sampling_params(GenerateParameters(do_sample=True, temperature=0.7, stop=["\n"], seed=1), want_logprobs=True)
     assert s.temperature == 0.7 and s.include_stop_str_in_output and s.logprobs == 0 and s.seed == 1
     assert sampling_params(GenerateParameters(top_k=5), False).temperature == 1.0  # top_k implies sampling
+    for bad in ({"temperature": 0.0}, {"max_new_tokens": 0}, {"best_of": 2}, {"grammar": {}}, {"top_n_tokens": 21}):
+        with pytest.raises(ValidationError):
+            GenerateParameters(**bad)
     with pytest.raises(InvalidRequestError):
-        sampling_params(GenerateParameters(temperature=0.0), False)
-    with pytest.raises(InvalidRequestError):
-        sampling_params(GenerateParameters(max_new_tokens=0), False)
+        sampling_params(GenerateParameters(stop=[""]), False)  # SamplingParams: empty stop string
 
 
 def test_replica_load_ranking():

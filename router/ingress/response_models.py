@@ -1,0 +1,192 @@
+"""Success bodies of every route, as pydantic models: what `/openapi.json` documents for 200.
+
+The handlers build their answers as plain dicts (cheaper per streamed chunk than model
+instances); these models describe the same shapes, and the tests validate real answers against
+them (and schemathesis checks every answer against the schema), so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, RootModel
+
+from router.ingress.openai_models import ModelList
+from router.ingress.tgi_models import Details, StreamResponse
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(..., description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+# --- /v1/completions --------------------------------------------------------------------------
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = Field(None, description="The stop string or token id that ended it.")
+
+
+class CompletionResponse(BaseModel):
+    """Non-streamed answer; streamed, every `data:` event is a CompletionChunk."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="Only on the last chunk, with stream_options.include_usage.")
+
+
+# --- /v1/chat/completions ---------------------------------------------------------------------
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """Non-streamed answer; streamed, every `data:` event is a ChatCompletionChunk."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="Only on the last chunk, with stream_options.include_usage.")
+
+
+# --- TGI --------------------------------------------------------------------------------------
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: Details | None = Field(None, description="With parameters.details.")
+
+
+class GenerateResponses(RootModel[list[GenerateResponse]]):
+    """POST / without `stream`: TGI's compat route answers a list of one."""
+
+
+class Info(BaseModel):
+    model_id: str
+    model_dtype: str
+    model_device_type: str
+    max_concurrent_requests: int
+    max_input_tokens: int
+    max_total_tokens: int
+    version: str
+    model_pipeline_tag: str
+    router: str
+    max_best_of: int
+    max_stop_sequences: int
+    validation_workers: int
+    max_client_batch_size: int
+    model_sha: str | None
+    sha: str | None
+    docker_label: str | None
+
+
+# --- operations -------------------------------------------------------------------------------
+
+
+class PoolHealth(BaseModel):
+    status: Literal["ok", "unavailable"]
+    replicas: int
+    expected_replicas: int
+    unhealthy: list[str] = Field(..., description="Replicas that did not answer their health check.")
+
+
+class Health(PoolHealth):
+    """200 when every pool is ok, else 503 with the same body."""
+
+    pools: dict[str, PoolHealth]
+
+
+JSON = "application/json"
+SSE = "text/event-stream"
+# (path, method) -> {content type: model}. The SSE entries describe one `data:` event; a stream
+# of the OpenAI routes ends with `data: [DONE]`.
+SUCCESS: dict[tuple[str, str], dict[str, type[BaseModel]]] = {
+    ("/v1/completions", "post"): {JSON: CompletionResponse, SSE: CompletionChunk},
+    ("/v1/chat/completions", "post"): {JSON: ChatCompletionResponse, SSE: ChatCompletionChunk},
+    ("/generate", "post"): {JSON: GenerateResponse},
+    ("/generate_stream", "post"): {SSE: StreamResponse},
+    ("/", "post"): {JSON: GenerateResponses, SSE: StreamResponse},
+    ("/v1/models", "get"): {JSON: ModelList},
+    ("/info", "get"): {JSON: Info},
+    ("/health", "get"): {JSON: Health},
+}
