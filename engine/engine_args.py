@@ -29,6 +29,9 @@ class EngineArgs:
     served_model_name: str | None = None
     num_threads: int | None = None
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
+    # Speculative decoding, off by default: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": .., "prompt_lookup_max": ..} or "ngram:k" (engine/spec_decode/config.py).
+    speculative_config: dict | str | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

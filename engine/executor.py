@@ -33,6 +33,11 @@ class Executor(abc.ABC):
     def kv_bytes_per_block(self) -> int:
         return 0
 
+    def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
+        """Seconds of a step of B rows computing 1 + k tokens each (the speculative verify cost
+        model); None: not measured, the engine assumes cost proportional to tokens."""
+        return None
+
 
 class InProcessExecutor(Executor):
     """tp=1: the model runner lives in this process; no Ray hop per step."""
@@ -57,6 +62,9 @@ class InProcessExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()
+
+    def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
+        return self.runner.measure_step_costs(max_batch, max_k)
 
 
 # (model config, cache config, parallel config, device, CUDA-graph batch bound) -> executor

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 
 class LLM:
     """Batch generation with continuous batching. `model=None` is the embedded SmolLM2-135M-Instruct.
-    tensor_parallel_size > 1 needs `workers.LLM` (or executor_factory=workers.make_executor)."""
+    tensor_parallel_size > 1 needs `workers.LLM` (or executor_factory=workers.make_executor).
+    `speculative_config={"method": "ngram", "num_speculative_tokens": k}` turns on speculative
+    decoding (any EngineArgs field is a keyword)."""
 
     def __init__(
         self, model: str | None = None, executor_factory: ExecutorFactory = in_process_executor, **kwargs: Any
@@ -83,7 +85,8 @@ class LLM:
         return [done[i] for i in ids]
 
     def stats(self) -> dict:
-        """KV blocks used/free/cached, prefix-cache hit rate, KV waste, preemptions."""
+        """KV blocks used/free/cached, prefix-cache hit rate, KV waste, preemptions, speculative
+        decoding (draft and accepted tokens, acceptance rate, mean accepted length)."""
         return self.engine.stats()
 
     def shutdown(self) -> None:

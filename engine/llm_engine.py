@@ -22,6 +22,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.config import SpeculativeConfig
 
 
 class LLMEngine:
@@ -55,7 +56,8 @@ class LLMEngine:
             args.device,
             min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0,
         )
-        self.core = EngineCore(sched, cache, executor)
+        spec = SpeculativeConfig.from_value(args.speculative_config)
+        self.core = EngineCore(sched, cache, executor, spec)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.model_dir)

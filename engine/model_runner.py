@@ -15,11 +15,12 @@ from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group
 from engine.forward_context import forward_context
 from engine.kv_memory import allocate_kv_caches
-from engine.layers.sampler import Sampler, compute_prompt_logprobs
+from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
 from engine.runner_state import RunnerRequestState, RunnerStates
 from engine.sampling_metadata import SamplingMetadata
+from engine.spec_decode.verify import accept_drafts
 
 
 def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -101,6 +102,51 @@ class ModelRunner:
             attn.kv_cache = None
         self.kv_caches, self._kv_buffer = [], None
 
+    @torch.inference_mode()
+    def measure_step_costs(
+        self, max_batch: int, max_k: int, context: int = 128, repeats: int = 3
+    ) -> dict[tuple[int, int], float]:
+        """Seconds (best of `repeats`) of one step of B rows, each with `context` tokens cached
+        and 1 + k new ones scored (forward, logits of the 1 + k rows, argmax), for B = 1, 2, 4..
+        up to max_batch and k = 0..max_k. Runs on the KV pool before any request uses it.
+        Stops growing B once drafts cannot pay even if all were accepted (compute-bound)."""
+        import time
+
+        bs = self.cc.block_size
+        num_blocks = self.kv_caches[0].shape[2] - (1 if self.cuda_graph_max_batch else 0)
+        table: dict[tuple[int, int], float] = {}
+        b = 1
+        while b <= max_batch:
+            nb = -(-(context + 1 + max_k) // bs)
+            if b * nb > num_blocks:
+                break
+            for k in range(max_k + 1):
+                states = [
+                    RunnerRequestState(
+                        f"cost-{i}", [0] * (context + 1 + k), [], None, list(range(i * nb, (i + 1) * nb)), context
+                    )
+                    for i in range(b)
+                ]
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    batch = build_step_batch(
+                        states, [1 + k] * b, bs, self.device, decode_buckets=self.uses_decode_buckets
+                    )
+                    with forward_context(batch.meta):
+                        hidden = self.model(batch.input_ids, batch.positions)
+                    rows = [r for last in batch.last_rows for r in range(last - k, last + 1)]
+                    argmax_rows(self.model.compute_logits(hidden[rows]))
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    best = min(best, time.perf_counter() - t0)
+                table[(b, k)] = best
+            # Past the batch where even fully accepted drafts do not pay, larger ones do not either.
+            if all((1 + k) * table[(b, 0)] <= 1.03 * table[(b, k)] for k in range(1, max_k + 1)):
+                break
+            b *= 2
+        return table
+
     def init_kv_cache(self, num_blocks: int) -> None:
         # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.
         shape = (
@@ -156,13 +202,40 @@ class ModelRunner:
             if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens
         ]
         prompt_lp = self._prompt_logprob_rows(batch, by_id)
-        rows = [batch.last_rows[k] for k in sample_idx] + [row for _, rs, _, _ in prompt_lp for row in rs]
+        # A request with drafts is scored at its last token and at every draft (1 + k rows).
+        rows = [
+            row
+            for k in sample_idx
+            for row in range(
+                batch.last_rows[k] - len(by_id[batch.request_ids[k]].spec_token_ids), batch.last_rows[k] + 1
+            )
+        ]
+        num_sample_rows = len(rows)
+        rows += [row for _, rs, _, _ in prompt_lp for row in rs]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         for k, r in enumerate(batch.request_ids):
             by_id[r].num_computed_tokens += batch.counts[k]
         if self.tp.rank != 0:
+            for st in states:
+                st.spec_token_ids = []
             return None
-        return self._sample(batch, by_id, sample_idx, logits, prompt_lp)
+        return self._sample(batch, by_id, sample_idx, logits, num_sample_rows, prompt_lp)
+
+    def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor):
+        """One sampler row per scored position: a request's position j (after j drafts) sees
+        the drafts before it as output (penalties, min_tokens) and draws from the generator of
+        output position len(output) + j, so every draw is keyed by the token it decides."""
+        params, prompts, outputs, gens = [], [], [], []
+        for s in sts:
+            seed, n_out = s.sampling_params.seed, len(s.output_token_ids)
+            for j in range(1 + len(s.spec_token_ids)):
+                params.append(s.sampling_params)
+                prompts.append(s.prompt_token_ids)
+                outputs.append(s.output_token_ids + s.spec_token_ids[:j] if j else s.output_token_ids)
+                gens.append(None if seed is None else _step_generator(seed, n_out + j, logits.device))
+        md = SamplingMetadata.build(params, prompts, outputs, gens, [self._eos] * len(params), self.device)
+        res = self.sampler(logits, md)
+        return res, res.sampled_token_ids.tolist()
 
     def _prompt_logprob_rows(self, batch, by_id):
         """(request id, hidden rows, target token ids, chunk starts the prompt) for prompt
@@ -180,32 +253,24 @@ class ModelRunner:
             out.append((r, rows, st.prompt_token_ids[nc + 1 : last + 1], nc == 0))
         return out
 
-    def _sample(self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, prompt_lp) -> ModelRunnerOutput:
+    def _sample(
+        self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, ns: int, prompt_lp
+    ) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
-        ns = len(sample_idx)
         if ns:
             sts = [by_id[batch.request_ids[k]] for k in sample_idx]
-            gens = [
-                None
-                if s.sampling_params.seed is None
-                else _step_generator(s.sampling_params.seed, len(s.output_token_ids), logits.device)
-                for s in sts
-            ]
-            md = SamplingMetadata.build(
-                [s.sampling_params for s in sts],
-                [s.prompt_token_ids for s in sts],
-                [s.output_token_ids for s in sts],
-                gens,
-                [self._eos] * len(sts),
-                self.device,
-            )
-            res = self.sampler(logits[:ns], md)
-            tokens = res.sampled_token_ids.tolist()
-            for j, s in enumerate(sts):
-                s.output_token_ids.append(tokens[j])
+            res, tokens = self._sample_positions(sts, logits[:ns])
+            row = 0
+            for s in sts:
+                emitted, lps = accept_drafts(s.spec_token_ids, tokens, res.logprobs, row)
+                row += 1 + len(s.spec_token_ids)
+                # Rejected drafts' KV slots are stale: the scheduler rolls back the same way.
+                s.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(emitted)
+                s.spec_token_ids = []
+                s.output_token_ids.extend(emitted)
                 out.request_ids.append(s.request_id)
-                out.sampled_token_ids.append([tokens[j]])
-                out.logprobs.append(res.logprobs[j])
+                out.sampled_token_ids.append(emitted)
+                out.logprobs.append(lps)
         off = ns
         for r, rows, targets, starts_prompt in prompt_lp:
             st = by_id[r]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.sampling_params import SamplingParams
@@ -16,12 +16,16 @@ class RunnerRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts, after the last token
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        n = self.num_tokens
+        if end > n:  # draft tokens follow the sequence's own
+            return self.token_slice(min(start, n), n) + self.spec_token_ids[max(0, start - n) : end - n]
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
@@ -36,6 +40,10 @@ class RunnerStates(dict):
     def apply(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids | so.preempted_request_ids:
             self.pop(rid, None)
+        for rid, keep in so.truncated_block_tables.items():
+            st = self.get(rid)
+            if st is not None:
+                del st.block_ids[keep:]
         for new in so.new_requests:
             self[new.request_id] = RunnerRequestState(
                 new.request_id,
@@ -51,3 +59,5 @@ class RunnerStates(dict):
                 raise RuntimeError(f"runner has no state for request {cached.request_id}")
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
+        for rid, drafts in so.scheduled_spec_tokens.items():  # the runner clears them after the step
+            self[rid].spec_token_ids = drafts

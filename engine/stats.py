@@ -28,8 +28,24 @@ class EngineStats:
     kv_waste: float = 0.0  # share of the running requests' allocated slots holding no token
     # time.monotonic() arrival of the oldest request never scheduled yet (None: there is none)
     oldest_unscheduled_arrival: float | None = None
+    # Speculative decoding, cumulative: verifications that carried drafts, draft tokens scored,
+    # draft tokens accepted (the bonus/correction token is not counted).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification: the accepted drafts plus one."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["usage"] = self.kv_usage  # the name the KV-cache manager's figures use
+        d["spec_acceptance_rate"] = self.spec_acceptance_rate
+        d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
         return d

@@ -10,13 +10,26 @@ from engine.core.scheduler import Scheduler
 from engine.executor import Executor
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_length import StepCostModel
 from engine.stats import EngineStats
 
 
 class EngineCore:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, executor: Executor) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        executor: Executor,
+        spec_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.executor = executor
-        self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks)
+        cost = None
+        if spec_config is not None and spec_config.adaptive:
+            # The verify step's cost on this machine, before any request uses the KV pool.
+            table = executor.measure_step_costs(scheduler_config.max_num_seqs, spec_config.num_speculative_tokens)
+            cost = StepCostModel(table) if table else None
+        self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks, spec_config, cost)
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
 
     def add_request(self, request: Request) -> None:

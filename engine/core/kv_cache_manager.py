@@ -105,6 +105,19 @@ class KVCacheManager:
         self.num_cached_block.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Free the request's blocks past those holding its first `num_tokens` tokens (KV of
+        rejected draft tokens). Returns the blocks it keeps, or None when nothing was freed."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return None
+        assert self.num_cached_block.get(request.request_id, 0) <= keep, "a cached block held a draft"
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        return keep
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 

@@ -22,11 +22,21 @@ from engine.core.scheduler_output import (
 )
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_length import AcceptanceCounts, DraftLengthPolicy, StepCostModel
+from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.stats import EngineStats
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        spec_config: SpeculativeConfig | None = None,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -40,6 +50,19 @@ class Scheduler:
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
+        # Speculative decoding (off when spec_config is None).
+        self.spec = spec_config
+        if spec_config is not None:
+            self.proposer = NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
+            cost = step_cost or StepCostModel.tokens_proportional(
+                scheduler_config.max_num_seqs, spec_config.num_speculative_tokens
+            )
+            self.draft_policy = DraftLengthPolicy(spec_config.num_speculative_tokens, cost, spec_config.adaptive)
+        self._acceptance: dict[str, AcceptanceCounts] = {}  # per running request
+        self._acceptance_all = AcceptanceCounts()  # engine-wide: the prior of new requests
+        self._truncated: dict[str, int] = {}  # block tables cut since the last schedule()
+        # Cumulative, as vLLM counts them: verifications with drafts, draft and accepted tokens.
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -93,6 +116,10 @@ class Scheduler:
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        if self.spec is not None:
+            self.proposer.forget(req.request_id)
+            self._acceptance.pop(req.request_id, None)
+            self._truncated.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
@@ -119,6 +146,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
+        self._truncated.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)  # recomputed from scratch
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -126,12 +154,56 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _propose_drafts(self) -> dict[str, list[int]]:
+        """Drafts for running requests at their last token, k per request from the policy."""
+        b = len(self.running)
+        if not b or not self.draft_policy.worth_trying(b):
+            return {}
+        k_max, max_len = self.spec.num_speculative_tokens, self.config.max_model_len
+        prior = self._acceptance_all.rate(0.5)
+        cands, proposals, rates = [], [], []
+        for r in self.running:
+            if r.num_computed_tokens != r.num_tokens - 1:
+                continue  # still prefilling
+            # Drafts plus the bonus token stay within max_tokens and the context (so in KV).
+            room = min(k_max, r.max_tokens - r.num_output_tokens - 1, max_len - r.num_tokens - 1)
+            d = self.proposer.propose(r.request_id, r.all_token_ids, room) if room > 0 else []
+            if d:
+                cands.append(r.request_id)
+                proposals.append(d)
+                counts = self._acceptance.get(r.request_id)
+                rates.append(counts.rate(prior) if counts else prior)
+        if not cands:
+            return {}
+        ks = self.draft_policy.choose(b, rates, [len(d) for d in proposals])
+        return {rid: d[:k] for rid, d, k in zip(cands, proposals, ks) if k > 0}
+
+    def _verified(self, req: Request, num_drafts: int, num_emitted: int) -> None:
+        """Count a verification and roll back the KV of rejected drafts: the request's
+        progress goes back and blocks past its tokens are freed (they never held a full block
+        of its own tokens, so none is in the prefix cache)."""
+        accepted = num_emitted - 1
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += accepted
+        counts = self._acceptance.setdefault(req.request_id, AcceptanceCounts())
+        for c in (counts, self._acceptance_all):
+            c.accepted += accepted
+            c.rejected += accepted < num_drafts
+        if accepted < num_drafts:
+            req.num_computed_tokens -= num_drafts - accepted
+            kept = self.kv_cache_manager.trim(req, req.num_computed_tokens)
+            if kept is not None:
+                self._truncated[req.request_id] = kept
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
+
+        drafts = self._propose_drafts() if self.spec is not None else {}
 
         # 1. Running requests, oldest first.
         i = 0
@@ -141,7 +213,14 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while True:
+            draft = drafts.get(req.request_id)
+            if draft:
+                draft = draft[: budget - n]  # the token budget counts draft tokens
+                block_ids = self.kv_cache_manager.allocate_slots(req, n + len(draft)) if draft else None
+                if block_ids is not None:  # else: no KV room for drafts; never preempt for them
+                    n += len(draft)
+                    out.scheduled_spec_tokens[req.request_id] = draft
+            while not (draft and block_ids is not None):
                 block_ids = self.kv_cache_manager.allocate_slots(req, n)
                 if block_ids is not None:
                     break
@@ -154,6 +233,7 @@ class Scheduler:
                     scheduled_running.remove(victim)
                     budget += out.num_scheduled_tokens.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id)
+                    out.scheduled_spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -212,6 +292,8 @@ class Scheduler:
         out.preempted_request_ids = {r.request_id for r in preempted}
         out.finished_request_ids = self.finished_req_ids
         self.finished_req_ids = set()
+        if self._truncated:
+            out.truncated_block_tables, self._truncated = self._truncated, {}
         self.num_steps += 1
         return out
 
@@ -230,6 +312,9 @@ class Scheduler:
             i = index.get(rid)
             sampled = mro.sampled_token_ids[i] if i is not None else []
             logprobs = mro.logprobs[i] if i is not None and i < len(mro.logprobs) else None
+            draft = scheduler_output.scheduled_spec_tokens.get(rid)
+            if draft and sampled:
+                self._verified(req, len(draft), len(sampled))
             new_tokens: list[int] = []
             stopped = False
             if sampled and req.num_computed_tokens >= req.num_tokens:
@@ -312,6 +397,9 @@ class Scheduler:
             num_evictions=kv["num_evictions"],
             kv_waste=kv["kv_waste"],
             oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None,
+            spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
         )
 
     def stats(self) -> dict:

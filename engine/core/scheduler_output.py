@@ -40,6 +40,11 @@ class SchedulerOutput:
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: draft tokens scheduled after a request's last token (counted in
+    # num_scheduled_tokens), and block tables cut back after rejected drafts (request id ->
+    # blocks it keeps, applied before this step's new block ids).
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    truncated_block_tables: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -49,7 +54,8 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     """What rank 0 returns after one step. `sampled_token_ids[i]` is empty for a request
-    whose scheduled tokens did not reach the end of its prompt (a partial prefill chunk)."""
+    whose scheduled tokens did not reach the end of its prompt (a partial prefill chunk); with
+    draft tokens it holds the accepted drafts plus one token (the correction or the bonus)."""
 
     request_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)

@@ -1,0 +1,103 @@
+"""Adaptive draft length: per step and per request, the k (down to 0) that maximises expected
+tokens per second of the whole step, from each request's acceptance rate and a cost model of
+the verify step measured on this machine at start-up.
+
+A request with per-token acceptance a and k drafts emits 1 + a + a^2 + ... + a^k tokens in
+expectation, so its j-th draft token is worth a^j. The best way to spend K extra tokens is on
+the K largest a_i^j (a prefix of drafts per request), and K itself maximises
+(B + gain(K)) / cost(B, K / B). When the step is compute-bound, extra tokens cost as much as
+they are worth, no K > 0 wins, and every k is 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+_MARGIN = 1.03  # speculate only for a predicted gain above measurement noise
+_PRIOR_WEIGHT = 4.0  # a new request's acceptance starts at the engine-wide rate, worth 4 drafts
+
+
+class StepCostModel:
+    """Seconds of one step of B rows, each computing 1 + k tokens (measured for a grid of B and
+    k; linear between the measured B and k, linear extrapolation past the largest)."""
+
+    def __init__(self, table: dict[tuple[int, int], float]) -> None:
+        self.batch_sizes = sorted({b for b, _ in table})
+        self.ks = sorted({k for _, k in table})
+        self.table = table
+        self._measured_bs = set(self.batch_sizes)
+
+    @classmethod
+    def tokens_proportional(cls, max_batch: int, max_k: int) -> StepCostModel:
+        """Without a measurement: a fixed cost of 32 tokens' worth plus one per token."""
+        bs = [1 << i for i in range(max(1, max_batch).bit_length() + 1)]
+        return cls({(b, k): 32.0 + b * (1 + k) for b in bs for k in range(max_k + 1)})
+
+    def _at_b(self, b: int, k: float) -> float:
+        ks = self.ks
+        i = min(max(bisect.bisect_right(ks, k) - 1, 0), len(ks) - 2) if len(ks) > 1 else 0
+        if len(ks) == 1:
+            return self.table[(b, ks[0])]
+        k0, k1 = ks[i], ks[i + 1]
+        t0, t1 = self.table[(b, k0)], self.table[(b, k1)]
+        return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+
+    def cost(self, b: int, k: float) -> float:
+        """One step of b rows with k draft tokens per row on average."""
+        bs = self.batch_sizes
+        if b in self._measured_bs:
+            return self._at_b(b, k)
+        i = min(max(bisect.bisect_right(bs, b) - 1, 0), len(bs) - 2) if len(bs) > 1 else 0
+        if len(bs) == 1:
+            return self._at_b(bs[0], k) * b / bs[0]
+        b0, b1 = bs[i], bs[i + 1]
+        t0, t1 = self._at_b(b0, k), self._at_b(b1, k)
+        return max(t0 + (t1 - t0) * (b - b0) / (b1 - b0), 1e-9)
+
+
+@dataclass
+class AcceptanceCounts:
+    accepted: int = 0  # draft tokens accepted
+    rejected: int = 0  # verifications that ended at a rejected draft
+
+    def rate(self, prior: float) -> float:
+        """Per-token acceptance, the geometric MLE shrunk towards `prior`."""
+        return (self.accepted + _PRIOR_WEIGHT * prior) / (self.accepted + self.rejected + _PRIOR_WEIGHT)
+
+
+class DraftLengthPolicy:
+    def __init__(self, k_max: int, cost: StepCostModel, adaptive: bool = True) -> None:
+        self.k_max, self.cost, self.adaptive = k_max, cost, adaptive
+        self._worth_trying: dict[int, bool] = {}
+
+    def worth_trying(self, b: int) -> bool:
+        """Could drafts pay at b rows even if every one were accepted? (Skips proposing.)"""
+        if not self.adaptive:
+            return True
+        hit = self._worth_trying.get(b)
+        if hit is None:
+            base = b / self.cost.cost(b, 0)
+            hit = any((b + b * k) / self.cost.cost(b, k) > _MARGIN * base for k in range(1, self.k_max + 1))
+            self._worth_trying[b] = hit
+        return hit
+
+    def choose(self, b: int, rates: list[float], available: list[int]) -> list[int]:
+        """k per candidate row (b rows in the step; `available[i]` drafts proposed for row i)."""
+        if not self.adaptive:
+            return [min(self.k_max, a) for a in available]
+        gains = sorted(
+            ((rate**j, i) for i, (rate, a) in enumerate(zip(rates, available)) for j in range(1, a + 1)),
+            reverse=True,
+        )
+        base = b / self.cost.cost(b, 0)
+        best, best_k, total = _MARGIN * base, 0, float(b)
+        for n, (g, _) in enumerate(gains, start=1):
+            total += g
+            thr = total / self.cost.cost(b, n / b)
+            if thr > best:
+                best, best_k = thr, n
+        ks = [0] * len(rates)
+        for _, i in gains[:best_k]:
+            ks[i] += 1
+        return ks
