@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
     s.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"))
     s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument(
+        "--speculative",
+        default=_d("speculative"),
+        help="speculative decoding, method:k (e.g. ngram:4; draft length adapts per request and load)",
+    )
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     s.add_argument(
@@ -173,6 +178,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching,
+        speculative=a.speculative,
         num_threads=a.threads or max(1, int(cpus)),
         cpus_per_worker=cpus,
         max_queued_requests=a.max_queued_requests,

@@ -75,6 +75,11 @@ class AppConfig(BaseModel):
     max_num_batched_tokens: int = Field(_E.max_num_batched_tokens, ge=1, description="Tokens per engine step.")
     block_size: int = Field(_E.block_size, ge=1)
     enable_prefix_caching: bool = _E.enable_prefix_caching
+    speculative: str | dict | None = Field(
+        _E.speculative_config,
+        description="Speculative decoding: 'ngram:k' or {method, num_speculative_tokens, prompt_lookup_min, "
+        "prompt_lookup_max} (None = off).",
+    )
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
@@ -137,6 +142,17 @@ class AppConfig(BaseModel):
     def _dtype(cls, v: str) -> str:
         if v not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError("dtype must be auto, float32, bfloat16 or float16")
+        return v
+
+    @field_validator("speculative")
+    @classmethod
+    def _speculative(cls, v: str | dict | None) -> str | dict | None:
+        from engine.spec_decode.config import SpeculativeConfig
+
+        try:
+            SpeculativeConfig.from_value(v)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"speculative: {e}") from None
         return v
 
     @model_validator(mode="after")
@@ -219,6 +235,7 @@ class AppConfig(BaseModel):
             "device": self.device,
             "block_size": self.block_size,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "speculative_config": self.speculative,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,

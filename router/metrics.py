@@ -99,6 +99,12 @@ COUNTERS = {
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Requests preempted by the scheduler.",
 }
+# Speculative decoding, named as vLLM's: metric name -> (engine stats key, help).
+SPEC_COUNTERS = {
+    "spec_decode_num_drafts": ("spec_num_drafts", "Verifications of draft tokens (speculative decoding)."),
+    "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Draft tokens proposed and verified."),
+    "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Draft tokens accepted."),
+}
 
 
 @dataclass
@@ -153,9 +159,12 @@ def aggregate(replica_stats: list[dict]) -> dict:
         "finished": {},
         "rejected": 0,
         **{k: 0 for k in COUNTERS},
+        **{k: 0 for k, _ in SPEC_COUNTERS.values()},
     }
     for s in replica_stats:
         for k in ("num_running", "num_waiting", "blocks_used", "num_blocks", *COUNTERS):
+            agg[k] += s.get(k, 0)
+        for k, _ in SPEC_COUNTERS.values():
             agg[k] += s.get(k, 0)
         agg["rejected"] += s.get("queue", {}).get("rejected", 0)
         for reason, n in s.get("finished", {}).items():
@@ -214,6 +223,14 @@ def render_pools(
         gauge("router_requests_queued", "Requests in this router replica with no token yet.", router.get("queued", 0))
         for name, doc in COUNTERS.items():
             counter(name, doc, agg[name])
+        for name, (key, doc) in SPEC_COUNTERS.items():
+            counter(name, doc, agg[key])
+        drafted = agg["spec_num_draft_tokens"]
+        gauge(
+            "spec_decode_acceptance_rate",
+            "Accepted / proposed draft tokens since start, over all replicas.",
+            agg["spec_num_accepted_tokens"] / drafted if drafted else 0.0,
+        )
         counter(
             "num_requests_rejected",
             "Requests rejected with 429 (overload), router and replicas.",
