@@ -64,6 +64,10 @@ static inline F16 from_bf16(const void* p) {
   const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
+// Weights streamed once (few-row linear): AVX2 splits them into even and odd elements, see
+// there; one zmm needs no split, so the order is the natural one.
+constexpr bool kBf16Split = false;
+static inline F16 from_bf16_split(const void* p) { return from_bf16(p); }
 // Round to bfloat16, nearest-even like c10::BFloat16 (NaN stays NaN); 16 values to p.
 static inline void to_bf16(void* p, F16 a) {
 #if defined(__AVX512BF16__)
@@ -185,6 +189,16 @@ static inline F16 from_bf16(const void* p) {
   const __m128i* q = static_cast<const __m128i*>(p);
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16)),
           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16))};
+}
+// 16 bf16 weights as float32 with the even-indexed ones in .lo and the odd-indexed in .hi: one
+// 32-byte load, a shift and a mask, no widening shuffles (the few-row linear streams weights and
+// is short of instructions per byte on AVX2). The other operand must be in the same order
+// (kBf16Split: the caller stores it so once).
+constexpr bool kBf16Split = true;
+static inline F16 from_bf16_split(const void* p) {
+  const __m256i v = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
 }
 static inline __m256i bf16_bits8(__m256 v) {  // nearest-even, NaN kept; as 8 int32 in [0, 65535]
   const __m256i u = _mm256_castps_si256(v);

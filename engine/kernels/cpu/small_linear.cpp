@@ -4,7 +4,8 @@
 // thread walks a contiguous range of weight rows, 16 at a time: per row an F16 partial sum over
 // k (4 rows in flight for independent FMA chains), the 16 partial sums reduced together into one
 // 16-lane vector. Weights are float32 or bfloat16 (widened on load, so bf16 weights with float32
-// activations read half the bytes). Returns false where it does not apply.
+// activations read half the bytes; on AVX2 in even/odd lane order, with x stored to match).
+// Returns false where it does not apply.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -19,6 +20,17 @@ using simd::F16;
 using simd::load16;
 
 constexpr int64_t kMaxRows = 8;
+
+// 16 weights of a row as float32: bf16 ones in simd::from_bf16_split's lane order (x is stored
+// in that order too, see run).
+template <typename W>
+static inline F16 load_w(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return simd::loadu(p);
+  } else {
+    return simd::from_bf16_split(p);
+  }
+}
 
 // 16 consecutive weight rows [n0, n0 + 16) against the m input rows (float32, in L1).
 template <typename W, typename X>
@@ -38,10 +50,10 @@ void block16(const float* xf, int64_t m, const W* w, int64_t k, int64_t n0, int6
         const W* w3 = w + std::min(n0 + r0 + 3, n - 1) * k;
         for (int64_t j = 0; j < k; j += 16) {
           const F16 xv = simd::loadu(xr + j);
-          a0 = simd::fmadd(xv, load16(w0 + j), a0);
-          a1 = simd::fmadd(xv, load16(w1 + j), a1);
-          a2 = simd::fmadd(xv, load16(w2 + j), a2);
-          a3 = simd::fmadd(xv, load16(w3 + j), a3);
+          a0 = simd::fmadd(xv, load_w(w0 + j), a0);
+          a1 = simd::fmadd(xv, load_w(w1 + j), a1);
+          a2 = simd::fmadd(xv, load_w(w2 + j), a2);
+          a3 = simd::fmadd(xv, load_w(w3 + j), a3);
         }
       }
       part[r0] = a0, part[r0 + 1] = a1, part[r0 + 2] = a2, part[r0 + 3] = a3;
@@ -61,8 +73,17 @@ void run(const torch::Tensor& x, const torch::Tensor& w, const X* bias, torch::T
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   alignas(64) float xf[kMaxRows * 4096];  // x widened once (k <= 4096 checked by the caller)
   const X* xp = x.data_ptr<X>();
+  constexpr bool split = simd::kBf16Split && !std::is_same_v<W, float>;
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < k; j += 16) simd::store(xf + i * k + j, load16(xp + i * x.stride(0) + j));
+    for (int64_t j = 0; j < k; j += 16) {
+      float* dst = xf + i * k + j;
+      simd::store(dst, load16(xp + i * x.stride(0) + j));
+      if constexpr (split) {  // [x0 x2 .. x14 | x1 x3 .. x15], the weights' lane order
+        float t[16];
+        for (int q = 0; q < 8; ++q) t[q] = dst[2 * q], t[8 + q] = dst[2 * q + 1];
+        std::copy(t, t + 16, dst);
+      }
+    }
   const W* wp = w.data_ptr<W>();
   X* yp = y.data_ptr<X>();
   const int64_t blocks = (n + 15) / 16;
