@@ -25,7 +25,16 @@ class StepCostModel:
     def __init__(self, table: dict[tuple[int, int], float]) -> None:
         self.batch_sizes = sorted({b for b, _ in table})
         self.ks = sorted({k for _, k in table})
-        self.table = table
+        # Timing noise must not make a longer step look cheaper: non-decreasing in k and in B.
+        self.table = dict(table)
+        for b in self.batch_sizes:
+            for k0, k1 in zip(self.ks, self.ks[1:]):
+                if (b, k0) in self.table and (b, k1) in self.table:
+                    self.table[(b, k1)] = max(self.table[(b, k1)], self.table[(b, k0)])
+        for k in self.ks:
+            for b0, b1 in zip(self.batch_sizes, self.batch_sizes[1:]):
+                if (b0, k) in self.table and (b1, k) in self.table:
+                    self.table[(b1, k)] = max(self.table[(b1, k)], self.table[(b0, k)])
         self._measured_bs = set(self.batch_sizes)
 
     @classmethod
