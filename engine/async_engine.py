@@ -108,10 +108,12 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume: dict[str, list[int]] | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
+        """`resume`: see `InputProcessor.make_requests` (a request moved from another replica)."""
         self._check_alive()
         reqs = self.engine.inputs.make_requests(
-            request_id, self.engine.inputs.check_token_ids(prompt_token_ids), params, priority, arrival_time
+            request_id, self.engine.inputs.check_token_ids(prompt_token_ids), params, priority, arrival_time, resume
         )
         children = [r.request_id for r in reqs]
         stream = self._open(request_id, children)

@@ -145,11 +145,18 @@ class InputProcessor:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        resume: dict[str, list[int]] | None = None,
     ) -> list[Request]:
+        """`resume` (a request moved here from another replica): child id -> the output tokens it
+        generated there. Only those children are made, each with its outputs restored (not part of
+        the prompt), so they continue like a preempted request that recomputes: penalties,
+        min/max tokens, stop checks and seeded draws (keyed by output position) go on unchanged."""
         max_tokens = self.check_lengths(prompt_ids, params)
         eos = self.mc.eos_token_ids
         reqs = []
         for i, rid in enumerate(child_request_ids(request_id, params.n)):
+            if resume is not None and rid not in resume:
+                continue  # finished before the move
             sp = (
                 params
                 if params.n == 1
@@ -169,6 +176,7 @@ class InputProcessor:
                     priority=priority,
                     cache_salt=salt,
                     max_tokens=max_tokens,
+                    output_token_ids=list(resume[rid]) if resume is not None else [],
                     **kw,
                 )
             )

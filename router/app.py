@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from ray.serve import Application
 
 ROUTING_STATS_PERIOD_S = 1.0
+# Serve kills a replica it stops this long after `drain_timeout_s`: the ingress moves the requests
+# left there at `drain_timeout_s` (router/ingress/drain_watch.py), the margin lets them leave.
+DRAIN_MARGIN_S = 5.0
 
 
 def engine_deployment_options(cfg: AppConfig) -> dict:
@@ -57,7 +60,10 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
         max_ongoing_requests=max_ongoing,
         health_check_period_s=10.0,
         health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=5.0,
+        # Every removal drains (fixed size, redeploy, autoscaling alike): no new requests, the
+        # running ones finish or move (drain_watch.py) before Serve kills it.
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s + DRAIN_MARGIN_S,
+        graceful_shutdown_wait_loop_s=0.5,
         request_router_config=RequestRouterConfig(
             request_router_class="router.replica_choice.replica_choice:ReplicaChoice",
             request_router_kwargs=routing_kwargs(cfg),
@@ -107,6 +113,11 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
     engines, pools = {}, []
     for name, pool in zip(engine_deployment_names(cfg), cfg.pool_configs()):
         pool, engine_options = autoscaled(pool, engine_deployment_options(pool))  # no-op without cfg.autoscaling
+        if pool.autoscaling is not None:
+            # The policy's drain budget is Serve's kill deadline: the ingress moves what is left
+            # a margin before it.
+            drain = max(1.0, engine_options["graceful_shutdown_timeout_s"] - DRAIN_MARGIN_S)
+            pool = pool.model_copy(update={"drain_timeout_s": drain})
         engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
         engines[pool.model_name] = EngineReplica.options(name=name, **engine_options).bind(
             pool.engine_args(), pool.max_queued_requests_per_replica
@@ -116,7 +127,9 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         cfg = pools[0]  # autoscaled: num_replicas is what the router's /health expects
     else:
         models = [m.model_copy(update={"num_replicas": p.num_replicas}) for m, p in zip(cfg.models, pools)]
-        cfg = cfg.model_copy(update={"models": models, "autoscaling": pools[0].autoscaling})
+        cfg = cfg.model_copy(
+            update={"models": models, "autoscaling": pools[0].autoscaling, "drain_timeout_s": pools[0].drain_timeout_s}
+        )
     ingress = Ingress.options(
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),

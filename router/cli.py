@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-queued-requests-per-replica", type=int, default=_d("max_queued_requests_per_replica"))
     s.add_argument("--request-timeout-s", type=float, default=_d("request_timeout_s"))
+    s.add_argument(
+        "--max-migrations",
+        type=int,
+        default=_d("max_migrations"),
+        help="moves of one request to another replica when its replica dies or drains (0: never)",
+    )
+    s.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=_d("drain_timeout_s"),
+        help="a replica being removed finishes its requests for this long; the rest move elsewhere",
+    )
     s.add_argument("--max-request-body-bytes", type=int, default=_d("max_request_body_bytes"))
     s.add_argument(
         "--autoscaling",
@@ -185,6 +197,8 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         routing=a.routing,
         max_queued_requests_per_replica=a.max_queued_requests_per_replica,
         request_timeout_s=a.request_timeout_s,
+        max_migrations=a.max_migrations,
+        drain_timeout_s=a.drain_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,
         api_key=a.api_key,
         api_key_file=a.api_key_file,

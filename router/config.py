@@ -108,6 +108,19 @@ class AppConfig(BaseModel):
         "seen up to this late). 0 = every engine step.",
     )
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
+    max_migrations: int = Field(
+        3,
+        ge=0,
+        description="Times one request may move to another engine replica when its replica dies "
+        "or is drained mid-request (the stream goes on unchanged); past it: an error (503 / error "
+        "event). 0 = never move.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An engine replica being removed (scale-down, redeploy) takes no new requests "
+        "and finishes its running ones for at most this long; the rest move to other replicas.",
+    )
     api_key: str | None = Field(
         None, description="Bearer key for /v1 and TGI routes (default: api_key_file, then $ORBITAL_API_KEY)."
     )

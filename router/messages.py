@@ -4,6 +4,8 @@ ingress -> replica (unary calls pinned to the replica, see replica_choice/):
   * `SubmitRequest`: start a request (token ids in; the ingress validated it already);
   * `FinishSequences`: the ingress matched a stop string: end these sequences now;
   * `AbortRequest`: the client went away: end the request before the next engine step.
+  A `SubmitRequest` with `resume` continues a request another replica was running (it died or
+  was drained): same prompt and parameters, the outputs so far restored in the engine.
 replica -> ingress (the output channel, one streaming call per (ingress, replica)):
   * `StepOutputs`: every output of one engine step (or several, for non-streamed requests) for
     that ingress's requests, plus the requests that failed, plus the replica's KV event
@@ -36,6 +38,11 @@ class SubmitRequest:
     # > 0 (non-streamed requests): after the first output, hand outputs to the channel at most
     # this often: fewer ingress wake-ups, same results.
     batch_interval_s: float = 0.0
+    # A request moved here from another replica (router/ingress/failover.py): child sequence id ->
+    # the output tokens it generated so far; finished children are left out. None: a new request.
+    resume: dict[str, list[int]] | None = None
+    # Replicas the replica choice must not pick (the ones this request already left).
+    avoid_replicas: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

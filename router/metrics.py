@@ -231,6 +231,15 @@ def render_pools(
             "Accepted / proposed draft tokens since start, over all replicas.",
             agg["spec_num_accepted_tokens"] / drafted if drafted else 0.0,
         )
+        # Failover (router/ingress/failover.py): requests moved off a dead or drained replica.
+        counter(
+            "router_migrations", "Requests moved to another engine replica mid-request.", router.get("migrations", 0)
+        )
+        counter(
+            "router_migration_failures",
+            "Requests whose replica failed and that could not move (max_migrations).",
+            router.get("migration_failures", 0),
+        )
         counter(
             "num_requests_rejected",
             "Requests rejected with 429 (overload), router and replicas.",

@@ -234,7 +234,7 @@ class Ingress:
     async def metrics(self) -> bytes:
         pools = list(self.pools)
         stats = await asyncio.gather(*(self._stats(p) for p in pools))
-        page = [(p.name, s, p.client.queue.stats()) for p, s in zip(pools, stats)]
+        page = [(p.name, s, p.client.stats()) for p, s in zip(pools, stats)]
         from router.replica_choice.routing_log import routing_log
 
         return render_pools(page, self.pools.overflows, routing_log.stats())

@@ -11,12 +11,16 @@ A stop string is found here, not in the engine: the ingress calls the replica's 
 those sequences (pinned to the replica that holds them) so their KV blocks are freed at once.
 When the caller stops reading (client gone, timeout, error), the ingress calls `abort` on the
 replica, which ends the request before its next step.
+
+When the replica dies or is drained mid-request, the request moves on to another replica as a
+continuation, inside `generate` (`router/ingress/failover.py`, `drain_watch.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 import uuid
@@ -25,9 +29,19 @@ from typing import TYPE_CHECKING, AsyncIterator
 from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.request import child_request_ids
+from engine.request import child_request_ids, parent_request_id
 from engine.sampling_params import SamplingParams
 from router.backpressure import IngressQueue
+from router.ingress.drain_watch import DrainWatch
+from router.ingress.failover import (
+    Migration,
+    MigrationFailedError,
+    ReplicaDrainingError,
+    ReplicaLostError,
+    continuation,
+    moves_request,
+    note_replica_failure,
+)
 from router.ingress.kv_subscriber import KVSubscriber
 from router.ingress.output_reader import OutputReader
 from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
@@ -57,6 +71,8 @@ class EngineClient:
         queue: IngressQueue,
         control_timeout_s: float = 10.0,
         nonstream_batch_interval_s: float = 0.0,
+        max_migrations: int = 3,
+        drain_timeout_s: float = 30.0,
     ) -> None:
         self.handle = handle
         self.nonstream_batch_interval_s = nonstream_batch_interval_s
@@ -71,6 +87,18 @@ class EngineClient:
         self._waiting: dict[str, asyncio.Queue] = {}  # request id -> its outputs (or an exception)
         self._background: set[asyncio.Task] = set()
         self.replica_counts: dict[str, int] = {}  # requests ended per replica (tests, debugging)
+        self.max_migrations = max_migrations
+        self.migrations = self.migration_failures = 0  # /metrics
+        self._left: dict[str, set[str]] = {}  # request id -> replicas it moved off (late outputs dropped)
+        self.drains = DrainWatch(handle, self.channels, drain_timeout_s, self._drained)
+
+    def stats(self) -> dict:
+        """The router queue's figures plus failover counters (/metrics)."""
+        return {
+            **self.queue.stats(),
+            "migrations": self.migrations,
+            "migration_failures": self.migration_failures,
+        }
 
     def token_text(self, token_id: int) -> str:
         """One token's text (logprobs, TGI token lists)."""
@@ -87,21 +115,21 @@ class EngineClient:
         stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one request. `stream=False`: the caller only wants the end, so the
-        replica may hand over several steps at once (`nonstream_batch_interval_s`)."""
+        replica may hand over several steps at once (`nonstream_batch_interval_s`). When its
+        replica dies or is drained, the request moves on to another (`failover.py`)."""
         self.queue.admit(request_id)  # OverloadedError (429) before any work
         self.kv_feed.start()
+        self.drains.start()
         submit = replica = None
         added = done = False
+        child_ids = child_request_ids(request_id, params.n)
+        moving = Migration(self.max_migrations)
         try:
             self.inputs.check_lengths(prompt_ids, params)  # the engine's length check, before sending
-            self.outputs.add_request(
-                request_id, prompt_text, prompt_ids, params, child_request_ids(request_id, params.n)
-            )
+            self.outputs.add_request(request_id, prompt_text, prompt_ids, params, child_ids)
             added = True
             # Registered before submitting: the channel may bring outputs before the reply.
             outputs = self._waiting[request_id] = asyncio.Queue()
-            # Outside the caller's Serve request context, as every call below: Serve cancels a
-            # request's calls when it is cancelled, and then `abort` must still get through.
             msg = SubmitRequest(
                 request_id,
                 prompt_ids,
@@ -111,25 +139,37 @@ class EngineClient:
                 priority,
                 0.0 if stream else self.nonstream_batch_interval_s,
             )
-            submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
-            replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
-            placement.confirmed(request_id, replica)
-            self.channels.attach(replica, request_id)
-            first = True
+            first, last = True, None
             while not done:
-                out = await outputs.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if first:
-                    self.queue.started(request_id)
-                    first = False
-                done = out.finished
-                if done:
-                    routing_log.finished(request_id, out.num_cached_tokens)
-                yield out
+                try:
+                    # Outside the caller's Serve request context, as every call below: Serve
+                    # cancels a request's calls when it is cancelled, and then `abort` must
+                    # still get through.
+                    submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
+                    replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
+                    placement.confirmed(request_id, replica)
+                    self.channels.attach(replica, request_id)
+                    while not done:
+                        out = await outputs.get()
+                        if isinstance(out, BaseException):
+                            raise out
+                        if first:
+                            self.queue.started(request_id)
+                            first = False
+                        done = out.finished
+                        if done:
+                            routing_log.finished(request_id, out.num_cached_tokens)
+                        last = out
+                        yield out
+                except Exception as e:
+                    if not moves_request(e):
+                        raise
+                    msg = self._move(msg, moving, replica, e, last, child_ids)
+                    submit = replica = None
         finally:
             self.queue.done(request_id)
             self._waiting.pop(request_id, None)
+            self._left.pop(request_id, None)
             if submit is not None:
                 placement.ended(request_id)
             if added and not done:
@@ -144,17 +184,55 @@ class EngineClient:
                 # Left while `submit` was in flight (or as it returned): abort where it lands.
                 self._spawn(self._abort_when_submitted(submit, request_id))
 
+    def _move(
+        self,
+        msg: SubmitRequest,
+        moving: Migration,
+        replica: str | None,
+        error: BaseException,
+        last: RequestOutput | None,
+        child_ids: list[str],
+    ) -> SubmitRequest:
+        """The request's replica failed: the SubmitRequest that continues it elsewhere (raises
+        MigrationFailedError when it may not move)."""
+        rid = msg.request_id
+        note_replica_failure(replica, error)
+        try:
+            moving.next_move(replica, error, msg.params)
+        except MigrationFailedError:
+            self.migration_failures += 1
+            raise
+        self.migrations += 1
+        if replica is not None:
+            self._left.setdefault(rid, set()).add(replica)  # its late outputs are dropped
+            self.channels.detach(replica, rid)
+        placement.ended(rid)
+        resume, params = continuation(last, child_ids, msg.params)
+        log.warning(
+            "request %s moves off replica %s (%s): move %d, %s tokens so far",
+            rid,
+            replica,
+            error,
+            moving.moves,
+            None if resume is None else sum(map(len, resume.values())),
+        )
+        return dataclasses.replace(msg, params=params, resume=resume, avoid_replicas=moving.left)
+
     # --- the output channels ----------------------------------------------------------------
 
     def _on_batch(self, replica: str, msg: StepOutputs) -> None:
         """One channel message: every output of one engine step for this ingress's requests."""
         if msg.kv_events:  # ahead of the outputs they came with
             kv_index.apply(replica, msg.kv_events)
+        outputs = msg.outputs
+        if self._left:  # a request that moved off this replica takes nothing more from it
+            outputs = [o for o in outputs if replica not in self._left.get(parent_request_id(o.request_id), ())]
         for failed in msg.failures:
-            self._deliver(replica, failed.request_id, failed.error)
-        if not msg.outputs:
+            if replica not in self._left.get(failed.request_id, ()):
+                self._deliver(replica, failed.request_id, failed.error)
+        if not outputs:
             return
-        request_outputs, stop_ids = self.outputs.process_outputs(msg.outputs)
+        request_outputs, stop_ids = self.outputs.process_outputs(outputs)
         if stop_ids:
             self._spawn(self._control("finish", FinishSequences(stop_ids), replica))
         for out in request_outputs:
@@ -162,16 +240,27 @@ class EngineClient:
 
     def _deliver(self, replica: str, request_id: str, item) -> None:
         q = self._waiting.get(request_id)
+        failed = isinstance(item, BaseException)
+        if failed and q is not None and moves_request(item):
+            # From now on nothing of this replica counts for the request: it goes on elsewhere
+            # from what the caller has been given up to this error.
+            self._left.setdefault(request_id, set()).add(replica)
         if q is not None:
             q.put_nowait(item)
-        if isinstance(item, BaseException) or item.finished:
+        if failed or item.finished:
             self.channels.detach(replica, request_id)  # nothing more will come for it
 
     def _on_channel_error(self, replica: str, request_ids: list[str], error: BaseException) -> None:
+        note_replica_failure(replica, error)
+        lost = ReplicaLostError(f"output channel of engine replica {replica} failed: {error}")
         for rid in request_ids:
-            q = self._waiting.get(rid)
-            if q is not None:
-                q.put_nowait(error)
+            self._deliver(replica, rid, lost)
+
+    def _drained(self, replica: str, request_ids: list[str]) -> None:
+        """The replica is being removed and these requests outlived the drain budget."""
+        err = ReplicaDrainingError(f"engine replica {replica} is being removed (drain budget over)")
+        for rid in request_ids:
+            self._deliver(replica, rid, err)
 
     # --- control calls ----------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
         IngressQueue(cfg.max_queued_requests),
         cfg.control_timeout_s,
         cfg.nonstream_batch_interval_s,
+        cfg.max_migrations,
+        cfg.drain_timeout_s,
     )
     info = {
         "model_id": cfg.model_name,

@@ -69,9 +69,9 @@ class _Job:
         "stopped",
     )
 
-    def __init__(self, request_id: str, n: int, arrival_wall: float, ingress_id: str, box: Outbox) -> None:
+    def __init__(self, request_id: str, children: list[str], arrival_wall: float, ingress_id: str, box: Outbox) -> None:
         self.request_id, self.ingress_id, self.box, self.task = request_id, ingress_id, box, None
-        self.children = child_request_ids(request_id, n)
+        self.children = children
         self.arrival_wall, self.arrival_mono = arrival_wall, time.monotonic()
         self.first_token: float | None = None
         self.last_token: dict[str, float] = {}
@@ -89,7 +89,7 @@ class EngineReplica:
             self.replica_id = "local"
         self.queue = ReplicaQueue(max_queued_requests)
         self.hist = new_histograms()
-        self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens")}
+        self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens", "migrated_in")}
         self.finished: dict[str, int] = {}
         self._jobs: dict[str, _Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
@@ -115,12 +115,17 @@ class EngineReplica:
         box = self._outboxes.get(msg.ingress_id)
         if box is None:
             box = self._outboxes[msg.ingress_id] = Outbox(self._step_handed_over)
-        job = _Job(rid, msg.params.n, msg.arrival_wall, msg.ingress_id, box)
-        self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
+        children = child_request_ids(rid, msg.params.n)
+        if msg.resume is not None:  # moved here: only its unfinished sequences go on
+            children = [c for c in children if c in msg.resume]
+            self.counters["migrated_in"] += 1
+        else:
+            self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
+        job = _Job(rid, children, msg.arrival_wall, msg.ingress_id, box)
         self._jobs[rid] = job
         box.active.add(rid)
         stream = self.engine.generate_tokens(
-            rid, msg.prompt_token_ids, msg.params, msg.priority, arrival_time=job.arrival_mono
+            rid, msg.prompt_token_ids, msg.params, msg.priority, arrival_time=job.arrival_mono, resume=msg.resume
         )
         job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, msg.batch_interval_s))
         return self.replica_id

@@ -35,6 +35,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 # Module objects, not names from them: Serve may ship this class by value (cloudpickle), and a
 # module reference is pickled by name, so the shipped class shares these with the process.
 import router.replica_choice.cache_aware as cache_aware
+import router.replica_choice.exclusion as exclusion
 import router.replica_choice.kv_index as kv_index_module
 import router.replica_choice.least_loaded as least_loaded
 import router.replica_choice.local_load as local_load_module
@@ -121,6 +122,14 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         msg = pending_request.args[0] if pending_request is not None and pending_request.args else None
         if msg is not None and pending_request.metadata.call_method != "submit":
             msg = None  # an unpinned control call (stats): no request to place
+        if msg is not None:
+            # Never a replica known dead, nor one this request already left (failover): wait for
+            # another rather than send it there.
+            avoid = exclusion.unreachable.current() | set(getattr(msg, "avoid_replicas", ()))
+            if avoid:
+                candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+                if not candidate_replicas:
+                    return []
         hashes: list[int] = []
         predicted: dict[str, int] = {}
         if self.policy == "round-robin":

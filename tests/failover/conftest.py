@@ -1,0 +1,82 @@
+"""One Ray cluster + Serve app for tests/failover: 4 engine replicas of the embedded model
+(float32, one torch thread each) behind the cache-aware router, a 3 s drain budget. Faults come
+from outside: the tests SIGKILL a replica's process (its pid is in `replica_stats`) or redeploy
+with fewer replicas. Serve replaces a killed replica only after 40-110 s, so 4 replicas leave
+room for several kills in a row. Everything is shut down at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.net import free_port, wait_healthy
+from tests.router.conftest import metrics
+
+APP = "failover"
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="package")
+def failover_cluster():
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from router.app import build_app
+    from router.config import AppConfig
+
+    port = free_port()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        cfg = AppConfig(
+            dtype="float32",
+            kv_cache_memory_bytes=32 << 20,
+            num_threads=1,
+            cpus_per_worker=1.0,
+            num_replicas=4,
+            drain_timeout_s=3.0,
+        )
+        handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        yield {"url": url, "handle": handle, "cfg": cfg}
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def migrations(url: str) -> tuple[float, float]:
+    """(requests moved, requests that could not move) as /metrics counts them."""
+    page = metrics(url)
+    return page.get("orbital:router_migrations_total", 0.0), page.get("orbital:router_migration_failures_total", 0.0)
+
+
+async def live_replicas(handle) -> dict[str, int]:
+    """Replica id -> pid of the engine replicas that answer."""
+    return {s["replica_id"]: s["pid"] for s in await handle.replica_stats.remote()}
+
+
+async def wait_live(handle, n: int, timeout: float = 240.0) -> dict[str, int]:
+    """Until at least `n` engine replicas answer (Serve replaces killed ones)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        live = await live_replicas(handle)
+        if len(live) >= n or time.monotonic() > deadline:
+            assert len(live) >= n, f"only {len(live)} engine replicas came back"
+            return live
+        await asyncio.sleep(1.0)
+
+
+async def kill_replica_of(handle, request_id: str, pids: dict[str, int]) -> str:
+    """SIGKILL the process of the engine replica running `request_id`; returns its id."""
+    decisions = await handle.routing_decisions.remote()
+    # A completion's engine request is `<id>-<prompt index>`.
+    replica = (decisions.get(request_id) or decisions[f"{request_id}-0"])["replica"]
+    os.kill(pids[replica], signal.SIGKILL)
+    return replica

@@ -1,0 +1,53 @@
+"""The requests the failover tests send, through the `openai` client: greedy and seeded, streamed
+and not, `ignore_eos` so each runs its whole token budget."""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable
+
+from tests.failover.conftest import MAX_TOKENS
+
+SPECS = [
+    {"name": "greedy-stream", "temperature": 0.0, "stream": True},
+    {"name": "seeded-stream", "temperature": 1.0, "top_p": 0.95, "seed": 17, "stream": True},
+    {"name": "greedy", "temperature": 0.0, "stream": False},
+    {"name": "seeded", "temperature": 0.9, "seed": 23, "stream": False},
+]
+
+OnChunk = Callable[[str, int], Awaitable[None]]
+
+
+def client(url: str):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+async def complete(c, prompt: str, spec: dict, on_chunk: OnChunk | None = None) -> tuple[str, str, int]:
+    """(text, finish_reason, completion tokens); `on_chunk(request id, chunks so far)` on each
+    streamed chunk that carries a choice."""
+    kw = {
+        "model": (await c.models.list()).data[0].id,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": spec["temperature"],
+        "extra_body": {"ignore_eos": True},
+    }
+    for k in ("seed", "top_p"):
+        if k in spec:
+            kw[k] = spec[k]
+    if not spec["stream"]:
+        r = await c.completions.create(**kw)
+        return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
+    stream = await c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    text, finish, tokens, chunks = "", None, None, 0
+    async for ch in stream:
+        if ch.usage is not None:
+            tokens = ch.usage.completion_tokens
+        for choice in ch.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+            chunks += 1
+            if on_chunk is not None:
+                await on_chunk(ch.id, chunks)
+    return text, finish, tokens
