@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -52,7 +53,9 @@ class EngineCore:
         self.publish_kv_events()
         if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
             return self.scheduler.update_from_output(so, _EMPTY)
+        t0 = time.perf_counter()
         mro = self.executor.execute_model(so)
+        self.scheduler.observe_step_time(so, time.perf_counter() - t0)
         return self.scheduler.update_from_output(so, mro)
 
     def publish_kv_events(self) -> None:

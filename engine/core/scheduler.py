@@ -157,7 +157,17 @@ class Scheduler:
     def _propose_drafts(self) -> dict[str, list[int]]:
         """Drafts for running requests at their last token, k per request from the policy."""
         b = len(self.running)
-        if not b or not self.draft_policy.worth_trying(b):
+        if not b:
+            return {}
+        # Prompt tokens this step will likely also compute (running chunks, then the queue).
+        room = self.config.max_num_batched_tokens - b
+        prefill = sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.running)
+        for r in self.waiting:
+            if prefill >= room or len(self.running) >= self.config.max_num_seqs:
+                break
+            prefill += r.num_tokens - r.num_computed_tokens
+        prefill = min(prefill, room)
+        if not self.draft_policy.worth_trying(b, prefill):
             return {}
         k_max, max_len = self.spec.num_speculative_tokens, self.config.max_model_len
         prior = self._acceptance_all.rate(0.5)
@@ -175,8 +185,17 @@ class Scheduler:
                 rates.append(counts.rate(prior) if counts else prior)
         if not cands:
             return {}
-        ks = self.draft_policy.choose(b, rates, [len(d) for d in proposals])
+        ks = self.draft_policy.choose(b, rates, [len(d) for d in proposals], prefill)
         return {rid: d[:k] for rid, d, k in zip(cands, proposals, ks) if k > 0}
+
+    def observe_step_time(self, so: SchedulerOutput, seconds: float) -> None:
+        """Feed a decode-only step's wall time to the draft-length policy's cost correction."""
+        if self.spec is None or not self.spec.adaptive or not so.num_scheduled_tokens:
+            return
+        b = len(so.num_scheduled_tokens)
+        k = sum(len(d) for d in so.scheduled_spec_tokens.values())
+        if so.total_num_scheduled_tokens == b + k:
+            self.draft_policy.observe(b, k / b, seconds)
 
     def _verified(self, req: Request, num_drafts: int, num_emitted: int) -> None:
         """Count a verification and roll back the KV of rejected drafts: the request's

@@ -15,7 +15,8 @@ import bisect
 from dataclasses import dataclass
 
 _MARGIN = 1.03  # speculate only for a predicted gain above measurement noise
-_PRIOR_WEIGHT = 4.0  # a new request's acceptance starts at the engine-wide rate, worth 4 drafts
+_PRIOR_WEIGHT = 4.0
+_EMA = 0.1  # weight of one step's timing in the online cost correction  # a new request's acceptance starts at the engine-wide rate, worth 4 drafts
 
 
 class StepCostModel:
@@ -78,32 +79,45 @@ class AcceptanceCounts:
 class DraftLengthPolicy:
     def __init__(self, k_max: int, cost: StepCostModel, adaptive: bool = True) -> None:
         self.k_max, self.cost, self.adaptive = k_max, cost, adaptive
-        self._worth_trying: dict[int, bool] = {}
+        # Online correction of the start-up table by real decode-only steps (contexts, kernels
+        # and load differ from the measurement): observed / predicted, with and without drafts.
+        self._ratio_plain = self._ratio_spec = 1.0
 
-    def worth_trying(self, b: int) -> bool:
+    def _cost(self, b: int, k: float) -> float:
+        return self.cost.cost(b, k) * (self._ratio_spec if k > 0 else self._ratio_plain)
+
+    def observe(self, b: int, k: float, seconds: float) -> None:
+        """A step of b rows with k drafts per row on average (no prefill) took `seconds`."""
+        r = min(max(seconds / self.cost.cost(b, k), 0.25), 4.0)
+        if k > 0:
+            self._ratio_spec += _EMA * (r - self._ratio_spec)
+        else:
+            self._ratio_plain += _EMA * (r - self._ratio_plain)
+
+    def worth_trying(self, b: int, prefill: int = 0) -> bool:
         """Could drafts pay at b rows even if every one were accepted? (Skips proposing.)"""
         if not self.adaptive:
             return True
-        hit = self._worth_trying.get(b)
-        if hit is None:
-            base = b / self.cost.cost(b, 0)
-            hit = any((b + b * k) / self.cost.cost(b, k) > _MARGIN * base for k in range(1, self.k_max + 1))
-            self._worth_trying[b] = hit
-        return hit
+        # Prompt tokens are work the step does too: drafts that slow them down must pay for it.
+        base = (b + prefill) / self._cost(b, prefill / b)
+        return any(
+            (b + prefill + b * k) / self._cost(b, k + prefill / b) > _MARGIN * base for k in range(1, self.k_max + 1)
+        )
 
-    def choose(self, b: int, rates: list[float], available: list[int]) -> list[int]:
-        """k per candidate row (b rows in the step; `available[i]` drafts proposed for row i)."""
+    def choose(self, b: int, rates: list[float], available: list[int], prefill: int = 0) -> list[int]:
+        """k per candidate row (b rows in the step, `prefill` more prompt tokens expected in it;
+        `available[i]` drafts proposed for row i)."""
         if not self.adaptive:
             return [min(self.k_max, a) for a in available]
         gains = sorted(
             ((rate**j, i) for i, (rate, a) in enumerate(zip(rates, available)) for j in range(1, a + 1)),
             reverse=True,
         )
-        base = b / self.cost.cost(b, 0)
-        best, best_k, total = _MARGIN * base, 0, float(b)
+        base = (b + prefill) / self._cost(b, prefill / b)
+        best, best_k, total = _MARGIN * base, 0, float(b + prefill)
         for n, (g, _) in enumerate(gains, start=1):
             total += g
-            thr = total / self.cost.cost(b, n / b)
+            thr = total / self._cost(b, (prefill + n) / b)
             if thr > best:
                 best, best_k = thr, n
         ks = [0] * len(rates)

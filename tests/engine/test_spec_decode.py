@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.core.block_hash import extend_block_hashes
 from engine.layers.sampler import Sampler
 from engine.sampling_metadata import SamplingMetadata
+from engine.spec_decode.draft_length import DraftLengthPolicy, StepCostModel
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.verify import accept_drafts
 
@@ -138,3 +139,13 @@ def test_ngram_proposer_latest_longest_match():
     assert prop.propose("r", [1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], 3) == [7, 1, 2]
     assert prop.propose("r", [1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3, 9], 3) == []  # no match of [3, 9]
     assert prop.propose("s", [5, 6, 7], 3) == []
+
+
+def test_draft_length_goes_to_zero_when_compute_bound():
+    # Memory-bound at 1 row (4 tokens cost ~1.25x one), compute-bound at 64 rows (cost per token).
+    table = {(1, k): 1.0 + 0.08 * k for k in range(5)} | {(64, k): 64.0 * (1 + k) for k in range(5)}
+    policy = DraftLengthPolicy(4, StepCostModel(table))
+    assert policy.choose(1, [0.8], [4]) == [4]
+    assert policy.choose(1, [0.05], [4]) == [0]  # drafts that are never accepted do not pay
+    assert not policy.worth_trying(64) and policy.choose(64, [0.9] * 64, [4] * 64) == [0] * 64
+    assert policy.choose(1, [0.8], [4], prefill=500) == [0]  # a prompt-heavy step is compute-bound
