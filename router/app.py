@@ -134,7 +134,10 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
         max_ongoing_requests=max(1000, 4 * sum(p.max_queued_requests for p in pools)),
-        graceful_shutdown_timeout_s=5.0,
+        # A redeploy replaces the router too: its streams get the engines' drain budget (their
+        # requests move off removed engine replicas meanwhile) before Serve cuts them.
+        graceful_shutdown_timeout_s=cfg.drain_timeout_s + 2 * DRAIN_MARGIN_S,
+        graceful_shutdown_wait_loop_s=0.5,
     )
     return ingress.bind(engines, cfg.model_dump())
 
