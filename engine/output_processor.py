@@ -11,7 +11,6 @@ is truncated at the stop string.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -140,23 +139,6 @@ class OutputProcessor:
 
     def _process_one(self, state: _RequestState, child: _ChildState, out: EngineCoreOutput, now: float) -> bool:
         """Update one child; True when a stop string finished it."""
-        if child.stop_checker and len(out.new_token_ids) > 1:
-            # Several tokens in one step (speculative decoding): check stop strings after each,
-            # as one token per step would, so no token past the match enters the output.
-            n = len(out.new_token_ids)
-            for i, tok in enumerate(out.new_token_ids):
-                last = i == n - 1
-                piece = dataclasses.replace(
-                    out,
-                    new_token_ids=[tok],
-                    new_logprobs=out.new_logprobs[i : i + 1] if out.new_logprobs else None,
-                    prompt_logprobs=out.prompt_logprobs if i == 0 else None,
-                    finish_reason=out.finish_reason if last else None,
-                    stop_reason=out.stop_reason if last else None,
-                )
-                if self._process_one(state, child, piece, now):
-                    return True
-            return False
         params = state.params
         m = state.metrics
         if out.new_token_ids:
