@@ -5,8 +5,8 @@ this processor keeps one detokenizer and stop checker per child and aggregates c
 one RequestOutput (outputs[index]). Stop strings are found here, not in the core: a child that
 hits one is returned in `stop_ids` so the caller finishes it in the scheduler (frees its KV).
 
-Token ids are kept exactly as generated, also past a stop string (as vLLM does); only the text
-is truncated at the stop string.
+Token ids end at the token that completes a stop string (a step with several tokens, from
+speculative decoding, is checked token by token); the text is truncated at the stop string.
 """
 
 from __future__ import annotations
@@ -151,20 +151,41 @@ class OutputProcessor:
         if out.error is not None:
             state.error = out.error
 
-        new_ids = list(out.new_token_ids)
+        ids, lps = list(out.new_token_ids), out.new_logprobs or []
+        if len(ids) > 1 and child.stop_checker:
+            # Several tokens in one step (speculative decoding): look for stop strings after each
+            # one, as one token per step would, so no token past the match enters the output.
+            for j in range(len(ids)):
+                last = j == len(ids) - 1
+                if self._add_tokens(params, child, ids[j : j + 1], lps[j : j + 1], out if last else None):
+                    return True
+            return False
+        return self._add_tokens(params, child, ids, lps, out)
+
+    def _add_tokens(
+        self,
+        params: SamplingParams,
+        child: _ChildState,
+        new_ids: list[int],
+        new_lps: list,
+        out: EngineCoreOutput | None,
+    ) -> bool:
+        """Append tokens to a child; `out` when they end the step's output (its finish reason
+        applies to the last of them). True when a stop string finished it."""
         child.token_ids.extend(new_ids)
         child.token_ids_delta.extend(new_ids)
-        if child.logprobs is not None and out.new_logprobs:
-            decorated = [self._decorate(lp) for lp in out.new_logprobs]
+        if child.logprobs is not None and new_lps:
+            decorated = [self._decorate(lp) for lp in new_lps]
             child.logprobs.extend(decorated)
             child.logprobs_delta = (child.logprobs_delta or []) + decorated
 
+        finished = out is not None and out.finished
         # The core stopped on EOS / a stop token id: its text is not part of the output.
         text_ids = new_ids
-        if out.finish_reason == "stop" and not params.include_stop_str_in_output and new_ids:
+        if finished and out.finish_reason == "stop" and not params.include_stop_str_in_output and new_ids:
             text_ids = new_ids[:-1]
         new_text = child.detokenizer.add(text_ids)
-        if out.finished:
+        if finished:
             new_text += child.detokenizer.flush()
         child.text += new_text
 
@@ -176,7 +197,7 @@ class OutputProcessor:
                 child.text = child.text[:cut]
                 child.finish_reason, child.stop_reason = "stop", stop_str
                 stopped = True
-        if not stopped and out.finished:
+        if not stopped and finished:
             child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
         return stopped
 

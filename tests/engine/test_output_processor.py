@@ -142,7 +142,9 @@ def test_n_children_aggregated(tokenizer):
     )
     assert r[0].finished and s == []
     assert [o.text for o in r[0].outputs] == ["alpha beta", "gamma ", "zeta"]
-    assert r[0].outputs[1].token_ids == t1
+    # Three tokens in one step (as speculative decoding delivers them): the ids end at the token
+    # that completed "END", as they would one token per step.
+    assert r[0].outputs[1].token_ids == t1[:2]
     assert not proc.has_unfinished_requests()
 
 
