@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -109,6 +109,19 @@ def from_validation_error(e: ValidationError | RequestValidationError) -> APIErr
     param = _loc(tuple(first.get("loc", ())))
     more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
     return APIError(400, f"Invalid value for '{param}': {first.get('msg')}{more}", param=param)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], body: Any) -> M:
+    """`model.model_validate(body)`, where a validation error is an InvalidRequestError naming the
+    field: what Python-handle callers catch for any bad value, and a 400 (TGI: 422) over HTTP."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = from_validation_error(e)
+        raise InvalidRequestError(err.message, param=err.param) from None
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.ingress.engine_client import EngineClient, new_request_id
-from router.ingress.errors import APIError
+from router.ingress.errors import APIError, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.ingress.streams import collect, merge
@@ -81,7 +81,7 @@ class OpenAIServing:
     # --- /v1/completions --------------------------------------------------------------------
 
     async def completions(self, body: dict, served_as: str | None = None) -> dict | AsyncIterator[dict]:
-        req = CompletionRequest.model_validate(body)
+        req = parse_body(CompletionRequest, body)
         name = self.check_model(req.model, served_as)
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
@@ -213,7 +213,7 @@ class OpenAIServing:
     # --- /v1/chat/completions ---------------------------------------------------------------
 
     async def chat_completions(self, body: dict, served_as: str | None = None) -> dict | AsyncIterator[dict]:
-        req = ChatCompletionRequest.model_validate(body)
+        req = parse_body(ChatCompletionRequest, body)
         name = self.check_model(req.model, served_as)
         if req.tools:
             raise InvalidRequestError("tools are not supported", param="tools")

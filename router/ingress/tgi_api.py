@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from router.ingress.engine_client import EngineClient, new_request_id
-from router.ingress.errors import APIError
+from router.ingress.errors import APIError, parse_body
 from router.ingress.streams import collect
 from router.ingress.tgi_models import Details, GenerateParameters, GenerateRequest, StreamDetails, StreamResponse, Token
 
@@ -62,7 +62,7 @@ class TGIServing:
         return dict(self.info_body)
 
     def _start(self, body: dict, stream: bool):
-        req = GenerateRequest.model_validate(body)
+        req = parse_body(GenerateRequest, body)
         p = req.parameters
         params = sampling_params(p, want_logprobs=stream or p.details)
         text, ids = self.client.inputs.tokenize(req.inputs)

@@ -20,7 +20,8 @@ import time
 import httpx
 import pytest
 
-from tests.cluster.helpers import complete, completion_body, free_port, replica_states, stream_completion, wait_healthy
+from tests.cluster.helpers import complete, completion_body, replica_states, stream_completion
+from tests.serve_cluster import local_serve, run_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -60,18 +61,9 @@ PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
 @pytest.fixture(scope="module")
 def autoscaling_app():
-    import ray
-    from ray import serve
-
-    from router.app import build_app
     from router.config import AppConfig
 
-    if ray.is_initialized():
-        ray.shutdown()
-    port = free_port()
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve(num_cpus=3) as url:
         cfg = AppConfig(
             dtype="float32",
             kv_cache_memory_bytes=KV_BYTES,
@@ -80,15 +72,8 @@ def autoscaling_app():
             max_num_seqs=MAX_NUM_SEQS,
             autoscaling=POLICY,
         )
-        handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url)
+        handle = run_app(cfg, APP, url)
         yield {"url": url, "handle": handle, "cfg": cfg}
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 async def _wait_states(pred, timeout: float, every: float = 0.2) -> tuple[float, dict]:

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from tests.net import free_port, wait_healthy
 from tests.router.conftest import metrics
+from tests.serve_cluster import local_serve, run_app
 
 APP = "failover"
 MAX_TOKENS = 64
@@ -22,16 +22,10 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="package")
 def failover_cluster():
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from router.app import build_app
+    pytest.importorskip("ray")
     from router.config import AppConfig
 
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as url:
         cfg = AppConfig(
             dtype="float32",
             kv_cache_memory_bytes=32 << 20,
@@ -40,15 +34,8 @@ def failover_cluster():
             num_replicas=4,
             drain_timeout_s=3.0,
         )
-        handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url)
+        handle = run_app(cfg, APP, url)
         yield {"url": url, "handle": handle, "cfg": cfg}
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 def migrations(url: str) -> tuple[float, float]:

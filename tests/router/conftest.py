@@ -12,7 +12,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.net import free_port, wait_healthy
+from tests.serve_cluster import local_serve, run_app
 
 STRICT_KEY = "test-key"
 
@@ -22,16 +22,10 @@ BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1, cpus
 
 @pytest.fixture(scope="package")
 def serve_cluster(tmp_path_factory):
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from router.app import build_app
+    pytest.importorskip("ray")
     from router.config import AppConfig
 
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as url:
         main_cfg = AppConfig(**BASE, num_replicas=2)
         key_file = tmp_path_factory.mktemp("key") / "api-key"
         key_file.write_text(STRICT_KEY + "\n")
@@ -45,11 +39,8 @@ def serve_cluster(tmp_path_factory):
             max_request_body_bytes=64 << 10,
             request_timeout_s=8.0,
         )
-        handle = serve.run(build_app(main_cfg), name="main", route_prefix="/")
-        strict = serve.run(build_app(strict_cfg), name="strict", route_prefix="/strict")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url)
-        wait_healthy(f"{url}/strict")
+        handle = run_app(main_cfg, "main", url)
+        strict = run_app(strict_cfg, "strict", url, route_prefix="/strict")
         yield {
             "url": url,
             "strict_url": f"{url}/strict",
@@ -59,11 +50,6 @@ def serve_cluster(tmp_path_factory):
             "strict_cfg": strict_cfg,
             "strict_key": STRICT_KEY,
         }
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="package")

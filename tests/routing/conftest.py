@@ -5,23 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.net import free_port, wait_healthy
+from tests.serve_cluster import local_serve, run_app
 
 APP = "cache"
 
 
 @pytest.fixture(scope="package")
 def cache_cluster():
-    ray = pytest.importorskip("ray")
-    from ray import serve
-
-    from router.app import build_app
+    pytest.importorskip("ray")
     from router.config import AppConfig
 
-    port = free_port()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as url:
         cfg = AppConfig(
             dtype="float32",
             kv_cache_memory_bytes=16 << 20,
@@ -31,12 +25,5 @@ def cache_cluster():
             routing="cache-aware",
             max_num_seqs=16,
         )
-        handle = serve.run(build_app(cfg), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url)
+        handle = run_app(cfg, APP, url)
         yield {"url": url, "handle": handle, "cfg": cfg}
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
