@@ -134,9 +134,10 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
         max_ongoing_requests=max(1000, 4 * sum(p.max_queued_requests for p in pools)),
-        # A redeploy replaces the router too: its streams get the engines' drain budget (their
-        # requests move off removed engine replicas meanwhile) before Serve cuts them.
-        graceful_shutdown_timeout_s=cfg.drain_timeout_s + 2 * DRAIN_MARGIN_S,
+        # A redeploy replaces the router too. The old one takes no new requests but relays its
+        # open streams to the end (their engine requests run, or move, elsewhere): a stream may
+        # last up to the request deadline. Serve stops it as soon as they are done.
+        graceful_shutdown_timeout_s=max(cfg.request_timeout_s, cfg.drain_timeout_s) + 2 * DRAIN_MARGIN_S,
         graceful_shutdown_wait_loop_s=0.5,
     )
     return ingress.bind(engines, cfg.model_dump())
