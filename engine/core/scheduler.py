@@ -23,8 +23,8 @@ from engine.core.scheduler_output import (
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.draft_length import AcceptanceCounts, DraftLengthPolicy, StepCostModel
-from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.spec_decode.draft_length import StepCostModel
+from engine.spec_decode.drafting import Drafting
 from engine.stats import EngineStats
 
 
@@ -50,19 +50,9 @@ class Scheduler:
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_preemptions = 0
         self.num_steps = 0
-        # Speculative decoding (off when spec_config is None).
-        self.spec = spec_config
-        if spec_config is not None:
-            self.proposer = NgramProposer(spec_config.prompt_lookup_min, spec_config.prompt_lookup_max)
-            cost = step_cost or StepCostModel.tokens_proportional(
-                scheduler_config.max_num_seqs, spec_config.num_speculative_tokens
-            )
-            self.draft_policy = DraftLengthPolicy(spec_config.num_speculative_tokens, cost, spec_config.adaptive)
-        self._acceptance: dict[str, AcceptanceCounts] = {}  # per running request
-        self._acceptance_all = AcceptanceCounts()  # engine-wide: the prior of new requests
+        # Speculative decoding (None: off).
+        self.drafting = Drafting(spec_config, scheduler_config, step_cost) if spec_config is not None else None
         self._truncated: dict[str, int] = {}  # block tables cut since the last schedule()
-        # Cumulative, as vLLM counts them: verifications with drafts, draft and accepted tokens.
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -116,9 +106,8 @@ class Scheduler:
 
     def _free_request(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
-        if self.spec is not None:
-            self.proposer.forget(req.request_id)
-            self._acceptance.pop(req.request_id, None)
+        if self.drafting is not None:
+            self.drafting.forget(req.request_id)
             self._truncated.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
         del self.requests[req.request_id]
@@ -154,61 +143,17 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _propose_drafts(self) -> dict[str, list[int]]:
-        """Drafts for running requests at their last token, k per request from the policy."""
-        b = len(self.running)
-        if not b:
-            return {}
-        # Prompt tokens this step will likely also compute (running chunks, then the queue).
-        room = self.config.max_num_batched_tokens - b
-        prefill = sum(r.num_tokens - r.num_computed_tokens - 1 for r in self.running)
-        for r in self.waiting:
-            if prefill >= room or len(self.running) >= self.config.max_num_seqs:
-                break
-            prefill += r.num_tokens - r.num_computed_tokens
-        prefill = min(prefill, room)
-        if not self.draft_policy.worth_trying(b, prefill):
-            return {}
-        k_max, max_len = self.spec.num_speculative_tokens, self.config.max_model_len
-        prior = self._acceptance_all.rate(0.5)
-        cands, proposals, rates = [], [], []
-        for r in self.running:
-            if r.num_computed_tokens != r.num_tokens - 1:
-                continue  # still prefilling
-            # Drafts plus the bonus token stay within max_tokens and the context (so in KV).
-            room = min(k_max, r.max_tokens - r.num_output_tokens - 1, max_len - r.num_tokens - 1)
-            d = self.proposer.propose(r.request_id, r.all_token_ids, room) if room > 0 else []
-            if d:
-                cands.append(r.request_id)
-                proposals.append(d)
-                counts = self._acceptance.get(r.request_id)
-                rates.append(counts.rate(prior) if counts else prior)
-        if not cands:
-            return {}
-        ks = self.draft_policy.choose(b, rates, [len(d) for d in proposals], prefill)
-        return {rid: d[:k] for rid, d, k in zip(cands, proposals, ks) if k > 0}
-
     def observe_step_time(self, so: SchedulerOutput, seconds: float) -> None:
-        """Feed a decode-only step's wall time to the draft-length policy's cost correction."""
-        if self.spec is None or not self.spec.adaptive or not so.num_scheduled_tokens:
-            return
-        b = len(so.num_scheduled_tokens)
-        k = sum(len(d) for d in so.scheduled_spec_tokens.values())
-        if so.total_num_scheduled_tokens == b + k:
-            self.draft_policy.observe(b, k / b, seconds)
+        """A decode-only step's wall time, for the draft-length policy's cost correction."""
+        if self.drafting is not None:
+            self.drafting.observe_step_time(so, seconds)
 
     def _verified(self, req: Request, num_drafts: int, num_emitted: int) -> None:
         """Count a verification and roll back the KV of rejected drafts: the request's
         progress goes back and blocks past its tokens are freed (they never held a full block
         of its own tokens, so none is in the prefix cache)."""
         accepted = num_emitted - 1
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += num_drafts
-        self.spec_num_accepted_tokens += accepted
-        counts = self._acceptance.setdefault(req.request_id, AcceptanceCounts())
-        for c in (counts, self._acceptance_all):
-            c.accepted += accepted
-            c.rejected += accepted < num_drafts
+        self.drafting.record(req.request_id, num_drafts, accepted)
         if accepted < num_drafts:
             req.num_computed_tokens -= num_drafts - accepted
             kept = self.kv_cache_manager.trim(req, req.num_computed_tokens)
@@ -222,7 +167,7 @@ class Scheduler:
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
-        drafts = self._propose_drafts() if self.spec is not None else {}
+        drafts = self.drafting.propose(self.running, self.waiting) if self.drafting is not None else {}
 
         # 1. Running requests, oldest first.
         i = 0
@@ -397,6 +342,7 @@ class Scheduler:
     def snapshot(self) -> EngineStats:
         """The state after the last step (built on the step thread; read anywhere)."""
         kv = self.kv_cache_manager.stats(self.running)
+        d = self.drafting
         unscheduled = [
             r.arrival_time for r in self.waiting if r.status == RequestStatus.WAITING and r.first_scheduled_time is None
         ]
@@ -416,9 +362,9 @@ class Scheduler:
             num_evictions=kv["num_evictions"],
             kv_waste=kv["kv_waste"],
             oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None,
-            spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_num_drafts=d.num_drafts if d else 0,
+            spec_num_draft_tokens=d.num_draft_tokens if d else 0,
+            spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
         )
 
     def stats(self) -> dict:
