@@ -6,6 +6,8 @@ own per-request state. Rank 0 samples and returns token ids; other ranks return 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.attn_metadata_builder import StepBatch, build_step_batch
@@ -110,8 +112,6 @@ class ModelRunner:
         and 1 + k new ones scored (forward, logits of the 1 + k rows, argmax), for B = 1, 2, 4..
         up to max_batch and k = 0..max_k. Runs on the KV pool before any request uses it.
         Stops growing B once drafts cannot pay even if all were accepted (compute-bound)."""
-        import time
-
         bs = self.cc.block_size
         num_blocks = self.kv_caches[0].shape[2] - (1 if self.cuda_graph_max_batch else 0)
         table: dict[tuple[int, int], float] = {}
@@ -264,8 +264,8 @@ class ModelRunner:
             for s in sts:
                 emitted, lps = accept_drafts(s.spec_token_ids, tokens, res.logprobs, row)
                 row += 1 + len(s.spec_token_ids)
-                # Rejected drafts' KV slots are stale: the scheduler rolls back the same way.
-                s.num_computed_tokens -= len(s.spec_token_ids) + 1 - len(emitted)
+                # Rejected drafts: the scheduler rolls num_computed_tokens back and sends it with
+                # the request's next step (as it does to ranks that do not sample).
                 s.spec_token_ids = []
                 s.output_token_ids.extend(emitted)
                 out.request_ids.append(s.request_id)
