@@ -61,6 +61,7 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         self._stopping = False
         self.step_count = 0
+        self._step_started: float | None = None  # monotonic start of the step in flight
         # The step thread builds the engine itself, so model loading, warm-up and every step run
         # their parallel regions on one thread. Loading on the caller's thread and stepping on
         # this one gave the process two OpenMP thread teams, and a one-row step took ~35% longer
@@ -150,6 +151,17 @@ class AsyncEngine:
 
     def is_alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    def check_health(self, stuck_after_s: float) -> None:
+        """Raise EngineDeadError when the loop died, a step has not returned for `stuck_after_s`
+        (a hung collective or device), or a worker of the executor is gone. Blocks for up to the
+        executor's ping deadline: call it off the event loop."""
+        if not self.is_alive():
+            raise EngineDeadError(f"the engine loop is not running: {self._dead}")
+        started = self._step_started
+        if started is not None and (age := time.monotonic() - started) > stuck_after_s:
+            raise EngineDeadError(f"the engine step in flight has not returned for {age:.0f} s")
+        self.engine.core.executor.check_health()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -259,7 +271,11 @@ class AsyncEngine:
 
     def _step(self) -> None:
         eng = self.engine
-        core_outputs = eng.core.step()
+        self._step_started = time.monotonic()
+        try:
+            core_outputs = eng.core.step()
+        finally:
+            self._step_started = None
         self.step_count += 1
         self.snapshot = eng.core.snapshot()
         text_side, now = [], time.monotonic()

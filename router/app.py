@@ -120,7 +120,7 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
             pool = pool.model_copy(update={"drain_timeout_s": drain})
         engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
         engines[pool.model_name] = EngineReplica.options(name=name, **engine_options).bind(
-            pool.engine_args(), pool.max_queued_requests_per_replica
+            pool.engine_args(), pool.max_queued_requests_per_replica, cfg.stuck_step_timeout_s
         )
         pools.append(pool)
     if cfg.models is None:

@@ -108,6 +108,12 @@ class AppConfig(BaseModel):
         "seen up to this late). 0 = every engine step.",
     )
     control_timeout_s: float = Field(10.0, gt=0, description="Deadline of stats / health / finish calls to replicas.")
+    stuck_step_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="An engine step that has not returned after this long makes its replica "
+        "unhealthy (/health 503; Serve replaces it and its requests move).",
+    )
     max_migrations: int = Field(
         3,
         ge=0,

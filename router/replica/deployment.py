@@ -81,8 +81,9 @@ class _Job:
 
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
-    def __init__(self, engine_args: dict, max_queued_requests: int = 64) -> None:
+    def __init__(self, engine_args: dict, max_queued_requests: int = 64, stuck_step_timeout_s: float = 120.0) -> None:
         self.engine = AsyncEngine(EngineArgs(**engine_args), executor_factory=make_executor)
+        self.stuck_step_timeout_s = stuck_step_timeout_s
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
@@ -275,8 +276,10 @@ class EngineReplica:
     # --- health and stats -------------------------------------------------------------------
 
     async def check_health(self, replica_id: str | None = None) -> None:
-        if not self.engine.is_alive():
-            raise EngineDeadError("the engine loop is not running")
+        """Serve's health check and the router's /health: raises when the loop died or is stuck
+        in a step, or a tensor-parallel rank is gone (Serve then replaces this replica and the
+        router moves its requests)."""
+        await asyncio.to_thread(self.engine.check_health, self.stuck_step_timeout_s)
 
     async def stats(self, replica_id: str | None = None) -> dict:
         s = self.engine.stats()

@@ -75,3 +75,34 @@ def test_engine_that_fails_to_build_raises_in_the_caller(tmp_path):
     with pytest.raises(Exception) as err:
         AsyncEngine(EngineArgs(model=str(tmp_path / "no-such-model"), num_threads=1))
     assert "no-such-model" in str(err.value)
+
+
+def test_health_reports_a_step_in_flight_past_the_bound(engine):
+    """A step longer than the bound (here a 1200-token prompt against a 10 ms bound) is what a
+    hung collective looks like from outside: check_health names it; idle, it passes again."""
+    from engine.errors import EngineDeadError
+
+    ids = (engine.tokenizer("The sea is wide and deep. ").input_ids * 200)[:1200]  # the pool holds 1456
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def run() -> list[str]:
+        seen: list[str] = []
+
+        async def consume():
+            async for out in engine.generate_tokens("long-step", ids, params):
+                assert out.error is None, out.error
+
+        task = asyncio.create_task(consume())
+        while not task.done():
+            try:
+                engine.check_health(stuck_after_s=0.01)
+            except EngineDeadError as e:
+                seen.append(str(e))
+            await asyncio.sleep(0.005)
+        await task
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen and "has not returned for" in seen[0], seen
+    engine.check_health(stuck_after_s=0.01)  # idle: healthy
+    assert _idle(engine)["blocks_used"] == 0

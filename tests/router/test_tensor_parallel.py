@@ -1,8 +1,14 @@
 """A tensor-parallel engine replica behind the router: one Serve replica, one placement group
 (STRICT_PACK) of 3 bundles, 3 TPWorker ranks (SmolLM2: 9 heads, 3 KV heads); greedy output
-equals the tp=1 app's."""
+equals the tp=1 app's; a rank killed from outside turns /health to 503 within seconds, and Serve
+replaces the replica."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
 
 import httpx
 import pytest
@@ -32,3 +38,35 @@ def test_tp3_matches_tp1(tp3_url, base_url):
     assert tp3.json()["choices"][0]["text"] == tp1.json()["choices"][0]["text"]
     health = httpx.get(f"{tp3_url}/health", timeout=60).json()
     assert health["status"] == "ok" and health["replicas"] == 1
+
+
+def _tp_worker_pids() -> list[int]:
+    """The remote ranks' processes (Ray titles them after the actor class)."""
+    out = subprocess.run(["pgrep", "-f", "^ray::TPWorker"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _wait_health(url: str, status: int, within_s: float) -> tuple[httpx.Response, float]:
+    t0 = time.monotonic()
+    while True:
+        r = httpx.get(f"{url}/health", timeout=60)
+        if r.status_code == status or time.monotonic() - t0 > within_s:
+            return r, time.monotonic() - t0
+        time.sleep(0.25)
+
+
+def test_dead_rank_turns_health_503_and_the_replica_is_replaced(tp3_url):
+    pids = _tp_worker_pids()
+    assert len(pids) == 2, pids  # ranks 1 and 2 of the one replica
+    os.kill(pids[0], signal.SIGKILL)
+    r, elapsed = _wait_health(tp3_url, 503, within_s=30)
+    print(f"/health 503 {elapsed:.1f} s after the rank was killed")
+    assert r.status_code == 503 and elapsed < 15, (r.status_code, elapsed)
+    assert r.json()["status"] == "unavailable" and r.json()["unhealthy"]
+    # Serve's own health check fails the same way: it replaces the replica (new ranks too).
+    r, elapsed = _wait_health(tp3_url, 200, within_s=240)
+    print(f"/health 200 again {elapsed:.1f} s later")
+    assert r.status_code == 200, r.json()
+    assert pids[1] not in _tp_worker_pids()
+    body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{tp3_url}/v1/completions", json=body, timeout=300).status_code == 200
