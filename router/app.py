@@ -49,6 +49,8 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
     actor = {"num_cpus": cpus}
     if cfg.worker_gpus:
         bundle["GPU"] = actor["num_gpus"] = cfg.worker_gpus
+    if cfg.engine_runtime_env:
+        actor["runtime_env"] = dict(cfg.engine_runtime_env)
     # Room for every accepted request plus control calls (finish, stats, health): the engine's
     # own queue bound answers 429 long before Serve would start queueing in the caller.
     max_ongoing = cfg.max_num_seqs + cfg.max_queued_requests_per_replica + 64

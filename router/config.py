@@ -83,6 +83,12 @@ class AppConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
+    engine_runtime_env: dict | None = Field(
+        None,
+        description="Ray runtime_env of the engine replicas (their tensor-parallel workers inherit it): "
+        "env_vars, working_dir, ... The router needs only the tokenizer and config: when `model` does "
+        "not exist where it runs, it gets them from an engine replica.",
+    )
 
     # --- the router ---
     router_replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")

@@ -14,6 +14,8 @@ replica -> ingress (the output channel, one streaming call per (ingress, replica
 replica -> ingress (the KV event feed, `kv_events`, one short-lived streaming call at a time):
   * `KVEventsUpdate`: a snapshot of the replica's cached block hashes (first contact, a gap,
     a restarted engine) and/or the batches since the last one the ingress saw.
+replica -> ingress (once, when the model path does not exist where the ingress runs):
+  * `TextSideFiles`: the model directory's tokenizer, config and chat template, no weights.
 `decode` checks the type once, where the bytes come in.
 """
 
@@ -25,6 +27,11 @@ from dataclasses import dataclass, field
 from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TextSideFiles:
+    files: dict[str, bytes]  # file name -> contents (see engine/model/text_side.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ def _sse(obj) -> str:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, engines: dict[str, DeploymentHandle] | DeploymentHandle, config: dict) -> None:
+    async def __init__(self, engines: dict[str, DeploymentHandle] | DeploymentHandle, config: dict) -> None:
         """`engines`: each model pool's served name -> its engine deployment's handle (one
         handle alone: the one pool of a config without `models`)."""
         self.settings = cfg = AppConfig(**config)
@@ -55,7 +55,7 @@ class Ingress:
         if not isinstance(engines, dict):
             engines = {cfg.pool_configs()[0].model_name: engines}
         # Text lives here: each pool's tokenizer and model limits, never its weights.
-        self.pools = ModelPools.build(cfg, engines)
+        self.pools = await ModelPools.build(cfg, engines)
         default = self.pools.default
         self.engine, self.client, self.openai, self.tgi = default.handle, default.client, default.openai, default.tgi
         try:

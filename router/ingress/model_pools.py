@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
     from router.config import AppConfig
+    from router.messages import TextSideFiles
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,23 @@ class PoolClient:
     tgi: TGIServing
     max_model_len: int
     expected_replicas: int  # what /health wants up (num_replicas; min_replicas when autoscaled)
+
+
+async def with_local_text_side(cfg: AppConfig, handle: DeploymentHandle) -> AppConfig:
+    """`cfg` itself when its model path exists on this node; else a copy naming a local directory
+    with the tokenizer and config an engine replica sent (the served name stays)."""
+    from engine.model.gguf_convert import cache_root
+    from engine.model.loader import resolve_model_dir
+    from engine.model.text_side import materialise_text_side
+
+    try:
+        resolve_model_dir(cfg.model)
+        return cfg
+    except FileNotFoundError as e:
+        log.info("%s; asking an engine replica for the tokenizer and config", e)
+    sent: TextSideFiles = await handle.text_side.remote()
+    local = materialise_text_side(sent.files, cache_root())
+    return cfg.model_copy(update={"model": str(local), "served_model_name": cfg.model_name})
 
 
 def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
@@ -153,10 +171,15 @@ class ModelPools:
         }
 
     @classmethod
-    def build(cls, cfg: AppConfig, engines: dict[str, DeploymentHandle]) -> ModelPools:
+    async def build(cls, cfg: AppConfig, engines: dict[str, DeploymentHandle]) -> ModelPools:
         """One PoolClient per pool of `cfg` (the whole app's config); `engines` maps each pool's
-        served name to its engine deployment's handle."""
-        return cls([build_pool(p, engines[p.model_name]) for p in cfg.pool_configs()], cfg.aliases)
+        served name to its engine deployment's handle. A pool whose model path is missing here
+        gets its tokenizer and config from one of its engine replicas (waits for one to start)."""
+        pools = []
+        for p in cfg.pool_configs():
+            handle = engines[p.model_name]
+            pools.append(build_pool(await with_local_text_side(p, handle), handle))
+        return cls(pools, cfg.aliases)
 
     def __iter__(self) -> Iterator[PoolClient]:
         return iter(self.by_name.values())

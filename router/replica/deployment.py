@@ -37,9 +37,10 @@ from engine.async_engine import AsyncEngine
 from engine.core.kv_events import KVEventBatch
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError
+from engine.model.text_side import text_side_files
 from engine.request import child_request_ids, parent_request_id
 from router.backpressure import ReplicaQueue
-from router.messages import AbortRequest, FinishSequences, KVEventsUpdate, SubmitRequest, encode
+from router.messages import AbortRequest, FinishSequences, KVEventsUpdate, SubmitRequest, TextSideFiles, encode
 from router.metrics import COUNTERS, new_histograms
 from router.replica.autoscaling_stats import AutoscalingStats
 from router.replica.outbox import Outbox
@@ -280,6 +281,10 @@ class EngineReplica:
         in a step, or a tensor-parallel rank is gone (Serve then replaces this replica and the
         router moves its requests)."""
         await asyncio.to_thread(self.engine.check_health, self.stuck_step_timeout_s)
+
+    async def text_side(self, replica_id: str | None = None) -> TextSideFiles:
+        """The model's tokenizer and config files, for an ingress where the path is missing."""
+        return TextSideFiles(text_side_files(self.engine.model_config.model_dir))
 
     async def stats(self, replica_id: str | None = None) -> dict:
         s = self.engine.stats()
