@@ -101,6 +101,7 @@ async def send(
             ) as resp:
                 rec.http_status = resp.status_code
                 if resp.status_code != 200:
+                    rec.retry_after = resp.headers.get("retry-after")
                     text = (await resp.aread()).decode(errors="replace")
                     return rec.fail(f"http_{resp.status_code}", text)
                 done, usage, event = False, None, None

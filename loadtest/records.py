@@ -29,6 +29,7 @@ class RequestRecord:
     error_kind: str | None = None
     error: str | None = None
     http_status: int | None = None
+    retry_after: str | None = None  # the Retry-After header of a refused (429/503) request
     ttft: float | None = None
     latency: float | None = None  # end-to-end
     itl: list[float] = field(default_factory=list)  # gaps between token chunks after the first
