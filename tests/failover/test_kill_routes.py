@@ -1,0 +1,116 @@
+"""The other routes and shapes survive a replica kill too: TGI's /generate_stream (through
+huggingface_hub's client) and an OpenAI request with n=2, streamed and not. The engine replica
+serving the request is SIGKILLed at a middle token; every client gets exactly the uninterrupted
+run's output, once."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from tests.failover.conftest import MAX_TOKENS, kill_replica_of, migrations, wait_live
+from tests.failover.streams import client
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Route test. " + "The harbour lights flickered while the tide came in slowly. " * 4
+
+
+async def _tgi(url: str, on_token=None) -> tuple[str, str, int]:
+    from huggingface_hub import AsyncInferenceClient
+
+    c = AsyncInferenceClient(base_url=url, timeout=300)
+    text, details, n = "", None, 0
+    stream = await c.text_generation(
+        PROMPT, max_new_tokens=MAX_TOKENS, do_sample=True, temperature=0.8, seed=5, stream=True, details=True
+    )
+    async for ev in stream:
+        n += 1
+        if not ev.token.special:
+            text += ev.token.text
+        details = ev.details or details
+        if on_token is not None:
+            await on_token(n)
+    return text, details.finish_reason, details.generated_tokens
+
+
+async def _kill_latest(handle, pids: dict[str, int]) -> str:
+    """SIGKILL the replica of the router's most recent decision (the one request in flight)."""
+    replica = list((await handle.routing_decisions.remote()).values())[-1]["replica"]
+    os.kill(pids[replica], signal.SIGKILL)
+    return replica
+
+
+def test_tgi_stream_resumes_exactly(failover_cluster):
+    url, handle = failover_cluster["url"], failover_cluster["handle"]
+    before, failed_before = migrations(url)
+
+    async def run():
+        reference = await _tgi(url)
+        pids = await wait_live(handle, 2)
+        killed: list[str] = []
+
+        async def on_token(n: int) -> None:
+            if n == MAX_TOKENS // 2 and not killed:
+                killed.append(await _kill_latest(handle, pids))
+
+        return reference, await _tgi(url, on_token), killed
+
+    reference, got, killed = asyncio.run(run())
+    assert killed and got == reference, (got, reference)
+    after, failed_after = migrations(url)
+    assert after == before + 1 and failed_after == failed_before
+
+
+async def _n2(url: str, stream: bool, handle=None, pids=None) -> tuple[list[str], list[str], int]:
+    c = client(url)
+    kw = dict(
+        model=(await c.models.list()).data[0].id,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        n=2,
+        temperature=0.9,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    if not stream:
+        if handle is not None:  # kill while it runs: after half its tokens' time
+            task = asyncio.ensure_future(c.completions.create(**kw))
+            await asyncio.sleep(1.0)
+            rid = list((await handle.routing_decisions.remote()))[-1].rsplit("-", 1)[0]
+            await kill_replica_of(handle, rid, pids)
+            r = await task
+        else:
+            r = await c.completions.create(**kw)
+        ch = sorted(r.choices, key=lambda x: x.index)
+        return [x.text for x in ch], [x.finish_reason for x in ch], r.usage.completion_tokens
+    texts, finish, tokens, chunks, killed = ["", ""], [None, None], None, 0, False
+    async for ch in await c.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        if ch.usage is not None:
+            tokens = ch.usage.completion_tokens
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+            chunks += 1
+            if handle is not None and chunks == MAX_TOKENS and not killed:
+                killed = bool(await kill_replica_of(handle, ch.id, pids))
+    return texts, finish, tokens
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "nonstream"])
+def test_n2_resumes_exactly(failover_cluster, stream):
+    url, handle = failover_cluster["url"], failover_cluster["handle"]
+    before, failed_before = migrations(url)
+
+    async def run():
+        reference = await _n2(url, stream)
+        pids = await wait_live(handle, 2)
+        return reference, await _n2(url, stream, handle, pids)
+
+    reference, got = asyncio.run(run())
+    assert got == reference and got[2] == 2 * MAX_TOKENS, (got, reference)
+    after, failed_after = migrations(url)
+    assert after == before + 1 and failed_after == failed_before
