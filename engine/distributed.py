@@ -61,6 +61,18 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_max(value: float) -> float:
+    """The largest of every rank's `value` (a step takes as long as its slowest rank)."""
+    tp = get_tp_group()
+    if tp.size == 1:
+        return value
+    import torch.distributed as dist
+
+    x = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=tp.group)
+    return float(x.item())
+
+
 def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate each rank's last-dim shard on rank 0 (LM head); other ranks get None."""
     tp = get_tp_group()

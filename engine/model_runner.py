@@ -14,7 +14,7 @@ from engine.attn_metadata_builder import StepBatch, build_step_batch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.cpu_malloc import keep_step_memory
-from engine.distributed import get_tp_group
+from engine.distributed import get_tp_group, tp_max
 from engine.forward_context import forward_context
 from engine.kv_memory import allocate_kv_caches
 from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
@@ -111,7 +111,8 @@ class ModelRunner:
         """Seconds (best of `repeats`) of one step of B rows, each with `context` tokens cached
         and 1 + k new ones scored (forward, logits of the 1 + k rows, argmax), for B = 1, 2, 4..
         up to max_batch and k = 0..max_k. Runs on the KV pool before any request uses it.
-        Stops growing B once drafts cannot pay even if all were accepted (compute-bound)."""
+        Stops growing B once drafts cannot pay even if all were accepted (compute-bound).
+        At tp > 1 every rank runs it at once (its forwards are collective)."""
         bs = self.cc.block_size
         num_blocks = self.kv_caches[0].shape[2] - (1 if self.cuda_graph_max_batch else 0)
         table: dict[tuple[int, int], float] = {}
@@ -136,11 +137,15 @@ class ModelRunner:
                     with forward_context(batch.meta):
                         hidden = self.model(batch.input_ids, batch.positions)
                     rows = [r for last in batch.last_rows for r in range(last - k, last + 1)]
-                    argmax_rows(self.model.compute_logits(hidden[rows]))
+                    logits = self.model.compute_logits(hidden[rows])  # rank 0's only at tp > 1
+                    if logits is not None:
+                        argmax_rows(logits)
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     best = min(best, time.perf_counter() - t0)
-                table[(b, k)] = best
+                # Every rank keeps the same table (the slowest rank's times), so all take the same
+                # early stop below and run the same steps, collectives included.
+                table[(b, k)] = tp_max(best)
             # Past the batch where even fully accepted drafts do not pay, larger ones do not either.
             if all((1 + k) * table[(b, 0)] <= 1.03 * table[(b, k)] for k in range(1, max_k + 1)):
                 break

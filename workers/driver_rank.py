@@ -57,6 +57,10 @@ class DriverRank(RankRunner):
         with bound_tp_group(self.tp):
             return self.runner.execute_model(so)
 
+    def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float]:
+        with bound_tp_group(self.tp):
+            return self.runner.measure_step_costs(max_batch, max_k)
+
     def leave(self, exc: BaseException | None = None) -> None:
         """Close our end of the group (remote ranks blocked with us fail instead of waiting)."""
         from workers.process_group import abort_group

@@ -16,6 +16,10 @@ class RankRunner:
         self.runner.load_model()
         return self.runner.num_blocks_for_budget()
 
+    def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float]:
+        """This rank's part of the verify-step cost table (every rank at once: see ModelRunner)."""
+        return self.runner.measure_step_costs(max_batch, max_k)
+
     def init_kv_cache(self, num_blocks: int) -> int:
         self.runner.init_kv_cache(num_blocks)
         return self.runner.bytes_per_block()

@@ -132,6 +132,17 @@ class RayExecutor(Executor):
     def kv_bytes_per_block(self) -> int:
         return self._bytes_per_block
 
+    def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
+        """The speculative verify-step cost table, measured by all ranks together (before any
+        request: nothing else is in flight on the group)."""
+        refs = [w.measure_step_costs.remote(max_batch, max_k) for w in self.workers]
+        try:
+            table = self.rank0.measure_step_costs(max_batch, max_k)
+            ray.get(refs, timeout=self.step_timeout_s)
+        except Exception as e:
+            self._fail(e)
+        return table
+
     def shutdown(self) -> None:
         if self.remote is not None:
             self.remote.kill()  # first: a remote rank may be blocked in a collective with rank 0

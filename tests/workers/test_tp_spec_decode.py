@@ -1,0 +1,41 @@
+"""Speculative decoding at tp=3 (the embedded model: 3 KV heads, one per rank): drafts verified in
+the collective forward give the same greedy tokens as tp=1 without speculation, with prefix
+caching on; the verify-step cost table is measured by all ranks together (same table on each)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM as EngineLLM
+from engine import SamplingParams
+from tests.engine.test_spec_decode import PROMPTS
+from workers import LLM
+
+pytestmark = pytest.mark.slow
+
+ARGS = dict(
+    dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, enable_prefix_caching=True, num_threads=1
+)
+
+
+def test_tp3_speculative_equals_tp1_without(ray_local):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    base = EngineLLM(**ARGS)
+    try:
+        expected = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        base.shutdown()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # every draft verified
+    llm = LLM(tensor_parallel_size=3, speculative_config=spec, **ARGS)
+    try:
+        # What an adaptive engine measures at start-up, here on the fresh pool: all ranks at once.
+        table = llm.engine.core.executor.measure_step_costs(2, 3)
+        assert {(b, k) for b in (1, 2) for k in range(4)} <= set(table) and min(table.values()) > 0, table
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]  # cache hits
+        stats = llm.stats()
+        assert stats["blocks_used"] == 0
+    finally:
+        llm.shutdown()
+    assert got == expected and again == expected
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
