@@ -20,6 +20,12 @@ $(KSTAMP): $(STAMP) $(wildcard engine/kernels/cpu/*)
 	$(PY) -m engine.kernels.cpu_ops
 	touch $(KSTAMP)
 
+# The next lower target too, for tests/engine/test_cpu_targets.py (tests only, not `make run`).
+KLOWER := .venv/.orbital-cpu-ops-lower
+$(KLOWER): $(STAMP) $(wildcard engine/kernels/cpu/*)
+	$(PY) -m engine.kernels.cpu_ops --lower
+	touch $(KLOWER)
+
 .PHONY: venv run test test-fast lint bench
 venv: $(STAMP) $(KSTAMP)
 
@@ -27,7 +33,7 @@ venv: $(STAMP) $(KSTAMP)
 run: $(STAMP) $(KSTAMP)
 	$(PY) -m router.cli serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP) $(KSTAMP)
+test: $(STAMP) $(KSTAMP) $(KLOWER)
 	$(PY) -m pytest -q tests
 
 # Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.

@@ -65,6 +65,12 @@ def supported_targets() -> list[str]:
     return [name for name, (_, needs) in TARGETS.items() if needs <= flags]
 
 
+def lower_test_target() -> str | None:
+    """The next target below this CPU's best that the tests also run (avx2 on an AVX-512 CPU,
+    generic on an AVX2 one), or None."""
+    return next((t for t in supported_targets()[1:] if t in ("avx2", "generic")), None)
+
+
 def build_target() -> str:
     """The CPU's best target, or ORBITAL_CPU_ISA when it names one this CPU can run."""
     supported = supported_targets()
@@ -130,7 +136,14 @@ def cpu_ops_for(x: torch.Tensor) -> object | None:
     return load_cpu_ops() if x.device.type == "cpu" else None
 
 
-if __name__ == "__main__":  # `python -m engine.kernels.cpu_ops`: build now, say which path
+if __name__ == "__main__":  # `python -m engine.kernels.cpu_ops [--lower]`: build now, say which path
+    import sys
+
     logging.basicConfig(level=logging.INFO)
+    if "--lower" in sys.argv[1:]:  # `make test` builds the tests' lower target up front too
+        lower = lower_test_target()
+        if lower is None:
+            raise SystemExit("orbital CPU ops: no lower target on this CPU")
+        os.environ["ORBITAL_CPU_ISA"] = lower
     mod = load_cpu_ops()
     print(f"orbital CPU ops: {mod.isa() if mod is not None else 'unavailable (PyTorch fallback)'}")

@@ -1,6 +1,7 @@
-"""The C++ ops' build targets: chosen from the CPU's flags, keyed per target, and every lower
+"""The C++ ops' build targets: chosen from the CPU's flags, keyed per target, and the next lower
 target this CPU can run passes the kernel tests too (an AVX-512 CI machine also checks the AVX2
-and generic builds; an AVX2 one the generic build), each in its own process."""
+build, an AVX2 one the generic build), in its own process. `make test` builds that target up
+front (`python -m engine.kernels.cpu_ops --lower`), as it builds the best one."""
 
 import os
 import subprocess
@@ -10,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine.kernels import cpu_ops
-from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, supported_targets
+from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, lower_test_target, supported_targets
 
-LOWER = [t for t in ("avx2", "generic") if t in supported_targets()[1:]]  # below this CPU's best
+LOWER = [t for t in [lower_test_target()] if t]  # the next target below this CPU's best
 KERNEL_TESTS = [
     "tests/engine/test_attention_backends.py",
     "tests/engine/test_fused_elementwise.py",
