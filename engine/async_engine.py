@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from engine.engine_args import EngineArgs
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
 from engine.input_processor import PromptInput
 from engine.llm_engine import LLMEngine
@@ -242,7 +242,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
             log.exception("engine loop died")
             self._dead = e
-            err = EngineDeadError(f"engine step failed: {type(e).__name__}: {e}")
+            err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
             with self._lock:
                 for s in self._streams.values():
                     s.put(err)

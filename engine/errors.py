@@ -21,3 +21,8 @@ class PromptTooLongError(InvalidRequestError):
 
 class EngineDeadError(OrbitalError, RuntimeError):
     """The engine (or one of its workers) died; requests in flight are failed. HTTP 503."""
+
+
+class EngineStepError(EngineDeadError):
+    """The engine loop died because a step raised: one of the requests in that step may be the
+    cause, so a request that sees this twice is not moved to a third engine."""

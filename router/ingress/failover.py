@@ -15,7 +15,8 @@ lists it), its replica failed it with `EngineDeadError` (engine loop died or shu
 request outlived the drain budget (`ReplicaDrainingError`). Anything else (a bad request, 429)
 reaches the caller as before. At most `AppConfig.max_migrations` moves per request; past that,
 or when a request's state cannot move, it fails with `MigrationFailedError` (503, or an error
-event in a stream), never a silently different output.
+event in a stream), never a silently different output. A request that was in the engine when a
+step raised (`EngineStepError`) on two replicas is not moved again: it may be what kills them.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineStepError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.replica_choice.exclusion import unreachable
@@ -82,12 +83,17 @@ class Migration:
 
     limit: int
     moves: int = 0
+    step_failures: int = 0  # moves because an engine step raised with this request in it
     left: tuple[str, ...] = ()
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     def next_move(self, replica: str | None, error: BaseException, params: SamplingParams) -> None:
         """Count a move away from `replica`; raises MigrationFailedError when none is allowed."""
         reason = unmovable_reason(params)
+        if isinstance(_cause(error), EngineStepError):
+            self.step_failures += 1
+            if self.step_failures >= 2:
+                reason = "an engine step failed with it on two replicas; it may be the cause, so it does not move again"
         if reason is None and self.moves >= self.limit:
             reason = f"it already moved {self.moves} times (max_migrations={self.limit})"
         if reason is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError
 
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from router.backpressure import OverloadedError
@@ -55,3 +55,15 @@ def test_move_limit_then_a_clear_503():
         m.next_move("b", ReplicaLostError("gone"), params)
     err = to_api_error(e.value)
     assert err.status == 503 and "max_migrations" in err.message
+
+
+def test_a_request_in_two_failed_engine_steps_stops_moving():
+    """Poison pill: a request present when a step raised on two replicas fails instead of taking
+    down a third; process losses do not count towards it."""
+    m = Migration(limit=3)
+    params = SamplingParams()
+    m.next_move("a", EngineStepError("engine step failed: RuntimeError: boom"), params)
+    m.next_move("b", ReplicaLostError("gone"), params)
+    with pytest.raises(MigrationFailedError, match="may be the cause"):
+        m.next_move("c", EngineStepError("engine step failed: RuntimeError: boom"), params)
+    assert m.moves == 2
