@@ -1,10 +1,12 @@
-"""Kills at random points: 6 kills (the issue asks for 20; 6 keep the suite inside its time
-budget), each of the engine replica serving one stream at a random token, greedy and seeded in
-turn: every stream equals its uninterrupted run; none is lost, none duplicated."""
+"""Kills at random points: 6 kills in the suite (ORBITAL_RANDOM_KILLS=20 runs the issue's 20; a
+killed replica takes 40-110 s to come back, so 20 do not fit the suite's time budget), each of
+the engine replica serving one stream at a random token, greedy and seeded in turn: every stream
+equals its uninterrupted run; none is lost, none duplicated."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -14,7 +16,7 @@ from tests.failover.streams import SPECS, client, complete
 
 pytestmark = pytest.mark.slow
 
-KILLS = 6
+KILLS = int(os.environ.get("ORBITAL_RANDOM_KILLS", "6"))
 
 
 async def _one(url: str, handle, prompt: str, spec: dict, kill_at: int) -> tuple:
