@@ -26,6 +26,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only, quantized at load")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
@@ -67,6 +68,7 @@ def main(
             args.model,
             executor_factory=executor_factory or in_process_executor,
             dtype=args.dtype,
+            quantization=args.quantization,
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -32,6 +32,9 @@ class EngineArgs:
     # Speculative decoding, off by default: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": ..} or "ngram:k" (engine/spec_decode/config.py).
     speculative_config: dict | str | None = None
+    # Weight-only quantization of the linear layers and the LM head at load: "int8" (per output
+    # channel); None keeps the checkpoint's float weights (engine/layers/quant/).
+    quantization: str | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

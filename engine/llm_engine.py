@@ -34,7 +34,12 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         self.args = args
         self.model_config: ModelConfig = build_model_config(
-            args.model, args.dtype, torch.device(args.device), args.max_model_len, args.served_model_name
+            args.model,
+            args.dtype,
+            torch.device(args.device),
+            args.max_model_len,
+            args.served_model_name,
+            args.quantization,
         )
         on_gpu = torch.device(args.device).type == "cuda" and args.kv_cache_memory_bytes is None
         cache = CacheConfig(

@@ -57,6 +57,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     served_name: str
+    quantization: str | None = None  # weight-only ("int8"): engine/layers/quant/
 
     @property
     def num_layers(self) -> int:
@@ -83,6 +84,7 @@ def build_model_config(
     device: torch.device,
     max_model_len: int | None = None,
     served_name: str | None = None,
+    quantization: str | None = None,
 ) -> ModelConfig:
     from transformers import AutoConfig
 
@@ -110,4 +112,8 @@ def build_model_config(
 
     default_name = EMBEDDED_NAME if not model or model == "default" else (Path(model).name or str(model))
     name = served_name or default_name
-    return ModelConfig(model_dir, cfg, resolve_dtype(dtype, device), max_model_len, eos_ids, str(name))
+    from engine.layers.quant import METHODS
+
+    if quantization is not None and quantization not in METHODS:
+        raise InvalidRequestError(f"quantization must be one of {METHODS} or None, got {quantization!r}")
+    return ModelConfig(model_dir, cfg, resolve_dtype(dtype, device), max_model_len, eos_ids, str(name), quantization)

@@ -56,7 +56,14 @@ class ModelRunner:
             keep_step_memory()  # step activations reuse heap memory instead of fresh page faults
 
     def load_model(self) -> None:
-        self.model = load_model(self.mc.model_dir, self.mc.hf_config, self.mc.dtype, self.device, self.mc.max_model_len)
+        self.model = load_model(
+            self.mc.model_dir,
+            self.mc.hf_config,
+            self.mc.dtype,
+            self.device,
+            self.mc.max_model_len,
+            self.mc.quantization,
+        )
         # Fixed for the model's life: whether step metadata needs padded decode buckets.
         self.uses_decode_buckets = self.model.attention_layers()[0].backend.uses_decode_buckets
         self._eos = list(self.mc.eos_token_ids)

@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve without a key on a non-loopback --host (refused otherwise)",
     )
     s.add_argument("--dtype", default=_d("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--quantization", default=_d("quantization"), choices=["int8"], help="weight-only, at load")
     s.add_argument("--device", default=_d("device"))
     s.add_argument(
         "--kv-cache-memory-bytes",
@@ -181,6 +182,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         model=a.model,
         served_model_name=a.served_model_name,
         dtype=a.dtype,
+        quantization=a.quantization,
         device=a.device,
         tensor_parallel_size=a.tp,
         num_replicas=a.replicas,

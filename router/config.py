@@ -56,6 +56,9 @@ class AppConfig(BaseModel):
         None, description="Name clients pass as `model` (default: from the path; with `models`: each pool's name)."
     )
     dtype: str = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
+    quantization: Literal["int8"] | None = Field(
+        _E.quantization, description="Weight-only quantization at load (int8: per output channel); None: float."
+    )
     device: str = Field(_E.device, description="cpu | cuda.")
     tensor_parallel_size: int = Field(
         _E.tensor_parallel_size, ge=1, description="Workers per engine replica (a TP group)."
@@ -257,6 +260,7 @@ class AppConfig(BaseModel):
         return {
             "model": self.model,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "device": self.device,
             "block_size": self.block_size,
             "enable_prefix_caching": self.enable_prefix_caching,

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce
 from engine.layers.packed_gemm import linear, pack_weight
+from engine.layers.quant.int8 import quantize_int8
 from engine.layers.weight_utils import copy_into, narrow
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ class ColumnParallelLinear(nn.Module):
     def pack_weights(self) -> None:
         """After loading: the weight in oneDNN's layout (CPU; see packed_gemm)."""
         self.weight = pack_weight(self.weight)
+
+    def quantize_weights(self, method: str) -> None:
+        """After loading, instead of packing: this rank's shard quantized (quant/)."""
+        self.weight = quantize_int8(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -138,6 +143,9 @@ class RowParallelLinear(nn.Module):
 
     def pack_weights(self) -> None:
         self.weight = pack_weight(self.weight)
+
+    def quantize_weights(self, method: str) -> None:
+        self.weight = quantize_int8(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
 from engine.layers.packed_gemm import linear, pack_weight
+from engine.layers.quant.int8 import quantize_int8
 from engine.layers.weight_utils import copy_into, narrow, shape_of
 
 if TYPE_CHECKING:
@@ -69,6 +70,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.packed_weight.plain = None if packed.plain is None else self.weight.data  # no second plain copy
         else:
             self.weight = pack_weight(self.weight)
+
+    def quantize_weights(self, method: str) -> None:
+        """A tied weight stays float for the embedding lookup and the head gets an int8 copy."""
+        if self.tied:
+            self.packed_weight = quantize_int8(self.weight)
+        else:
+            self.weight = quantize_int8(self.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""

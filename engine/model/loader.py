@@ -60,14 +60,25 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, object]]:
 
 
 def load_model(
-    model_dir: Path, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device, max_position: int
+    model_dir: Path,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
+    """`quantization` ("int8"): each rank quantizes its own shards after loading (scales per
+    output channel stay with their rows), instead of packing them."""
     from engine.model.llama import LlamaForCausalLM
 
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_position=max_position, dtype=dtype)
     model.load_weights(iterate_weights(model_dir))
-    if packing_enabled(dtype, torch.device(device)):
+    if quantization is not None:
+        for module in model.modules():
+            if hasattr(module, "quantize_weights"):
+                module.quantize_weights(quantization)
+    elif packing_enabled(dtype, torch.device(device)):
         for module in model.modules():
             if hasattr(module, "pack_weights"):
                 module.pack_weights()
