@@ -41,3 +41,14 @@ def keep_step_memory() -> bool:
         log.warning("mallopt refused the step-memory settings; allocations stay page-faulted")
     _done = ok
     return ok
+
+
+def release_free_memory() -> None:
+    """Hand the heap's free memory back to the kernel once: after a model quantized at load
+    freed its float copies, which the no-trim setting above would otherwise keep resident."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

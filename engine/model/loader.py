@@ -78,6 +78,10 @@ def load_model(
         for module in model.modules():
             if hasattr(module, "quantize_weights"):
                 module.quantize_weights(quantization)
+        if torch.device(device).type == "cpu":
+            from engine.cpu_malloc import release_free_memory
+
+            release_free_memory()
     elif packing_enabled(dtype, torch.device(device)):
         for module in model.modules():
             if hasattr(module, "pack_weights"):

@@ -70,3 +70,25 @@ def test_int8_weights_perplexity_within_one_percent_of_float32():
 def test_unknown_quantization_is_refused():
     with pytest.raises(InvalidRequestError, match="quantization must be one of"):
         LLM(quantization="int3", **ARGS)
+
+
+def test_int8_with_prefix_cache_hits_and_preemption_keeps_its_tokens():
+    """The same int8 engine's greedy tokens, alone with a roomy pool, then again in a batch that
+    hits the prefix cache and a pool small enough to preempt: identical."""
+    shared = "A lighthouse keeper wrote in his log every night about the ships and the weather. "
+    prompts = [shared + p for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(quantization="int8", **ARGS)
+    try:
+        expected = [roomy.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    finally:
+        roomy.shutdown()
+    small = LLM(quantization="int8", dtype="float32", num_threads=2, num_blocks=12, block_size=16, max_model_len=256)
+    try:
+        small.generate(prompts[0], params, use_tqdm=False)  # leaves the shared prefix cached
+        got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+        stats = small.stats()
+    finally:
+        small.shutdown()
+    assert got == expected
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0, stats

@@ -1,0 +1,108 @@
+"""Weight formats side by side: float32, bfloat16 and int8 weights (float32 and bfloat16
+activations) on the embedded model. Each configuration runs in its own process (so resident
+memory is its own), in interleaved rounds; medians of the rounds are printed.
+
+    python -m bench.bench_quant --rounds 3
+
+Per configuration: single-stream decode (one prompt, `--c1-tokens` forced tokens: tokens/s and
+ms per token), a batch of `--requests` requests of loadtest's mixed-length `uniform` workload
+(output tokens/s), resident memory after load (VmRSS, the 256 MiB KV pool included), and perplexity on a CPython reference page
+(`pydoc_data.topics["assignment"]`, 2000 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "float32": dict(dtype="float32"),
+    "bfloat16": dict(dtype="bfloat16"),
+    "int8 (f32 act)": dict(dtype="float32", quantization="int8"),
+    "int8 (bf16 act)": dict(dtype="bfloat16", quantization="int8"),
+}
+
+
+def _rss_mb() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_one(name: str, c1_tokens: int, requests: int, threads: int) -> dict:
+    from pydoc_data.topics import topics
+
+    from engine import LLM, SamplingParams
+    from loadtest import workloads
+    from loadtest.tokens import HFTokenCounter
+
+    llm = LLM(num_threads=threads, kv_cache_memory_bytes=256 << 20, max_model_len=2048, **CONFIGS[name])
+    rss = _rss_mb()
+    tok = llm.tokenizer
+    one = SamplingParams(temperature=0, max_tokens=c1_tokens, ignore_eos=True)
+    llm.generate(["Warm-up."], SamplingParams(max_tokens=4), use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(["Tell me a story about a lighthouse keeper."], one, use_tqdm=False)
+    c1 = time.perf_counter() - t
+    specs = workloads.build(
+        workloads.WorkloadConfig("uniform", num_requests=requests, seed=0, output_tokens=64), HFTokenCounter(tok, "smollm2")
+    )
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate([s.prompt for s in specs], params, use_tqdm=False)
+    batch = time.perf_counter() - t
+    ids = tok(topics["assignment"]).input_ids[:2000]
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    nll = [-lp.logprob for lp in out.prompt_logprobs[1:]]
+    llm.shutdown()
+    return {
+        "c1_tok_s": c1_tokens / c1,
+        "c1_ms_per_token": 1e3 * c1 / c1_tokens,
+        "batch_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / batch,
+        "rss_mb": rss,
+        "perplexity": math.exp(sum(nll) / len(nll)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--c1-tokens", type=int, default=96)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one config
+    a = p.parse_args(argv)
+    if a.one:
+        print(json.dumps(run_one(a.one, a.c1_tokens, a.requests, a.threads)))
+        return 0
+    runs: dict[str, list[dict]] = {c: [] for c in a.configs}
+    for r in range(a.rounds):
+        for c in a.configs:
+            cmd = [sys.executable, "-m", "bench.bench_quant", "--one", c, "--c1-tokens", str(a.c1_tokens)]
+            cmd += ["--requests", str(a.requests), "--threads", str(a.threads)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            runs[c].append(json.loads(out.strip().splitlines()[-1]))
+            print(f"round {r + 1} {c}: {runs[c][-1]}", file=sys.stderr)
+    med = {c: {k: statistics.median(x[k] for x in v) for k in v[0]} for c, v in runs.items()}
+    base = med[a.configs[0]]
+    print(
+        f"| weights | c1 tok/s | c1 ms/token | batch of {a.requests} tok/s | RSS MB | perplexity | c1 vs {a.configs[0]} |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for c, m in med.items():
+        print(
+            f"| {c} | {m['c1_tok_s']:.1f} | {m['c1_ms_per_token']:.1f} | {m['batch_tok_s']:.1f} | {m['rss_mb']:.0f} "
+            f"| {m['perplexity']:.3f} | {m['c1_tok_s'] / base['c1_tok_s']:.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
