@@ -51,7 +51,8 @@ def run_one(name: str, c1_tokens: int, requests: int, threads: int) -> dict:
     llm.generate(["Tell me a story about a lighthouse keeper."], one, use_tqdm=False)
     c1 = time.perf_counter() - t
     specs = workloads.build(
-        workloads.WorkloadConfig("uniform", num_requests=requests, seed=0, output_tokens=64), HFTokenCounter(tok, "smollm2")
+        workloads.WorkloadConfig("uniform", num_requests=requests, seed=0, output_tokens=64),
+        HFTokenCounter(tok, "smollm2"),
     )
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     t = time.perf_counter()
