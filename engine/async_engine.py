@@ -14,12 +14,14 @@ import asyncio
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
 from engine.input_processor import PromptInput
+from engine.kv_transfer.blocks import KVBlocks
+from engine.kv_transfer.remote_prefill import KVLoadRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
@@ -55,7 +57,10 @@ class AsyncEngine:
     ) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple] = []  # ("add", reqs) | ("abort", ids) | ("finish", ids)
+        self._inbox: list[tuple] = []  # ("add_tokens", reqs) | ("abort", ..) | ("finish", ids) | ("load_kv", ..)
+        # Decode side of disaggregated serving: called on the step thread with the remote
+        # prefills the scheduler asked for (set by the serving layer, which performs them).
+        self.on_kv_loads: Callable[[list[KVLoadRequest]], None] | None = None
         self._streams: dict[str, _Stream] = {}  # parent request id -> stream
         self._token_parent: dict[str, str] = {}  # child id -> parent, token-mode requests
         self._dead: BaseException | None = None
@@ -110,12 +115,17 @@ class AsyncEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         resume: dict[str, list[int]] | None = None,
+        kv_export_first_block: int | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
-        """`resume`: see `InputProcessor.make_requests` (a request moved from another replica)."""
+        """`resume`: see `InputProcessor.make_requests` (a request moved from another replica).
+        `kv_export_first_block` (a prefill engine): the finishing output carries the request's KV
+        from that block on (`EngineCoreOutput.kv_blocks`)."""
         self._check_alive()
         reqs = self.engine.inputs.make_requests(
             request_id, self.engine.inputs.check_token_ids(prompt_token_ids), params, priority, arrival_time, resume
         )
+        for r in reqs:
+            r.kv_export_first_block = kv_export_first_block
         children = [r.request_id for r in reqs]
         stream = self._open(request_id, children)
         with self._lock:
@@ -124,6 +134,14 @@ class AsyncEngine:
         self._submit(("add_tokens", reqs))
         async for item in self._drain(request_id, stream, children):
             yield item
+
+    def load_kv(self, child_id: str, blocks: KVBlocks) -> None:
+        """A remote prefill's KV for a sequence waiting for it (decode side)."""
+        self._submit(("load_kv", child_id, blocks))
+
+    def kv_load_failed(self, child_id: str, error: str | None = None) -> None:
+        """A remote prefill failed: recompute it here (`error` None) or fail the sequence."""
+        self._submit(("kv_failed", child_id, error))
 
     def finish(self, child_ids: list[str]) -> None:
         """The text side matched a stop string: end these sequences and free their KV."""
@@ -227,15 +245,16 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._inbox and not self._stopping and not self.engine.core.has_unfinished_requests():
+                    while not self._inbox and not self._stopping and not self.engine.core.has_work():
                         self._wake.wait()
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
                 for msg in inbox:
                     self._handle(msg)
-                if self.engine.core.has_unfinished_requests():
+                if self.engine.core.has_work():
                     self._step()
+                    self._hand_out_kv_loads()
                 elif inbox:  # an abort or finish with no step after it: publish the freed KV
                     self.engine.core.publish_kv_events()
                     self.snapshot = self.engine.core.snapshot()
@@ -262,12 +281,30 @@ class AsyncEngine:
                 eng.core.add_request(r)
         elif kind == "finish":
             eng.core.finish_requests(msg[1], RequestStatus.FINISHED_STOPPED)
+        elif kind == "load_kv":
+            try:
+                eng.core.load_kv(msg[1], msg[2])
+            except InvalidRequestError as e:  # the payload does not fit: recompute here
+                log.warning("remote KV for %s refused (%s): recomputing it here", msg[1], e)
+                eng.core.kv_load_failed(msg[1])
+        elif kind == "kv_failed":
+            eng.core.kv_load_failed(msg[1], msg[2])
         elif kind == "abort":
             _, rid, token_children = msg
             if token_children:
                 eng.core.abort_requests(token_children)
             else:
                 eng.abort_request(rid)
+
+    def _hand_out_kv_loads(self) -> None:
+        loads = self.engine.core.take_kv_loads()
+        if not loads:
+            return
+        if self.on_kv_loads is None:  # nobody moves KV here: prefill locally
+            for load in loads:
+                self.engine.core.kv_load_failed(load.request_id)
+            return
+        self.on_kv_loads(loads)
 
     def _step(self) -> None:
         eng = self.engine

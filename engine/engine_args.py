@@ -35,6 +35,9 @@ class EngineArgs:
     # Weight-only quantization of the linear layers and the LM head at load: "int8" (per output
     # channel); None keeps the checkpoint's float weights (engine/layers/quant/).
     quantization: str | None = None
+    # Disaggregated serving (engine/kv_transfer/config.py): {"role": "prefill" | "decode",
+    # "local_prefill_max_tokens": n}; None: colocated (this engine prefills and decodes).
+    kv_transfer_config: dict | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

@@ -15,6 +15,7 @@ import torch
 from engine.config import CacheConfig, ParallelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.errors import InvalidRequestError
+from engine.kv_transfer.blocks import KVLayout
 from engine.model_config import ModelConfig
 
 
@@ -32,6 +33,18 @@ class Executor(abc.ABC):
 
     def kv_bytes_per_block(self) -> int:
         return 0
+
+    @abc.abstractmethod
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's layout over all ranks (what a KV hand-off must match)."""
+
+    @abc.abstractmethod
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Contents of these blocks, every KV head (kv_transfer.KVBlocks.data layout), on the CPU."""
+
+    @abc.abstractmethod
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write every-head contents (as `read_kv_blocks` returns them) into these blocks."""
 
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         """Seconds of a step of B rows computing 1 + k tokens each (the speculative verify cost
@@ -62,6 +75,15 @@ class InProcessExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()
+
+    def kv_layout(self) -> KVLayout:
+        return self.runner.kv_layout()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_kv_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.runner.write_kv_blocks(block_ids, data)
 
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         return self.runner.measure_step_costs(max_batch, max_k)

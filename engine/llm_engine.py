@@ -17,6 +17,7 @@ from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
 from engine.input_processor import InputProcessor, PromptInput
+from engine.kv_transfer.config import KVTransferConfig
 from engine.model_config import ModelConfig, build_model_config
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput
@@ -62,7 +63,7 @@ class LLMEngine:
             min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0,
         )
         spec = SpeculativeConfig.from_value(args.speculative_config)
-        self.core = EngineCore(sched, cache, executor, spec)
+        self.core = EngineCore(sched, cache, executor, spec, KVTransferConfig.from_value(args.kv_transfer_config))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.model_dir)

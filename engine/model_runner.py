@@ -17,6 +17,8 @@ from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group, tp_max
 from engine.forward_context import forward_context
 from engine.kv_memory import allocate_kv_caches
+from engine.kv_transfer.block_io import head_slice, read_blocks, write_blocks
+from engine.kv_transfer.blocks import KVLayout
 from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
@@ -75,6 +77,21 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=self.mc.dtype).element_size()
         return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * self.mc.head_dim * elem
+
+    def kv_layout(self) -> KVLayout:
+        """Over all ranks: every KV head of the model, whatever this rank holds."""
+        return KVLayout(
+            self.mc.num_layers, self.mc.num_kv_heads, self.mc.head_dim, self.cc.block_size, str(self.mc.dtype)[6:]
+        )
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """This rank's KV heads of these blocks (kv_transfer/block_io.py), a CPU copy."""
+        return read_blocks(self.kv_caches, block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor, all_heads: bool = True) -> None:
+        """`data`: every KV head (this rank writes its own slice), or with `all_heads=False`
+        this rank's slice already."""
+        write_blocks(self.kv_caches, block_ids, head_slice(data, self.tp.rank, self.tp.size) if all_heads else data)
 
     def num_blocks_for_budget(self) -> int:
         if self.cc.num_blocks:

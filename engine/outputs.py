@@ -32,6 +32,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     queue_time: float | None = None  # seconds from arrival to first schedule; on the first tokens only
+    # Prefill side of disaggregated serving: the finished request's KV, read out (kv_transfer.KVBlocks).
+    kv_blocks: object | None = None
 
     @property
     def finished(self) -> bool:

@@ -23,11 +23,12 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
+    WAITING_FOR_REMOTE_KV = 3  # blocks held, contents being computed by a prefill engine
     # Everything from here on is finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def finished(self) -> bool:
@@ -71,6 +72,12 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
+    # Disaggregated serving (engine/kv_transfer/). Decode side: a remote prefill was asked for
+    # (once per request); its blocks are already held when it is scheduled (KV arrived, or
+    # recompute after a failed load). Prefill side: read out blocks from this index on at finish.
+    remote_prefill_tried: bool = False
+    blocks_preallocated: bool = False
+    kv_export_first_block: int | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

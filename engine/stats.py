@@ -33,6 +33,13 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Disaggregated serving, decode side (cumulative but the first): sequences holding blocks
+    # while their KV is computed elsewhere; prefills asked of a prefill engine; prefills done
+    # here because the uncached suffix was short; loads that failed (recomputed or failed).
+    num_waiting_for_remote_kv: int = 0
+    num_remote_prefills: int = 0
+    num_local_prefills: int = 0
+    num_remote_prefill_failures: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

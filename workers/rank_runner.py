@@ -3,6 +3,11 @@ in the driver, workers/driver_rank.py; ranks 1..tp-1 as actors, workers/worker.p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
 
 class RankRunner:
     device = None
@@ -23,3 +28,11 @@ class RankRunner:
     def init_kv_cache(self, num_blocks: int) -> int:
         self.runner.init_kv_cache(num_blocks)
         return self.runner.bytes_per_block()
+
+    # ---- KV hand-off (disaggregated serving): this rank's heads of whole blocks ----
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return self.runner.read_kv_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """`data`: this rank's KV heads only (the driver cut them out)."""
+        self.runner.write_kv_blocks(block_ids, data, all_heads=False)

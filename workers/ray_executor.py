@@ -23,6 +23,8 @@ from engine.config import CacheConfig, ParallelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.errors import EngineDeadError
 from engine.executor import Executor
+from engine.kv_transfer.block_io import head_slice
+from engine.kv_transfer.blocks import KVLayout
 from engine.model_config import ModelConfig
 from workers.driver_rank import DriverRank
 from workers.messages import StepInput
@@ -131,6 +133,30 @@ class RayExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self._bytes_per_block
+
+    def kv_layout(self) -> KVLayout:
+        return self.rank0.runner.kv_layout()
+
+    def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Every rank's heads of these blocks, gathered here (dim 2 is the KV heads, in rank
+        order). Remote ranks' calls queue behind the steps already sent to them."""
+        refs = [w.read_kv_blocks.remote(block_ids) for w in self.workers]
+        try:
+            parts = [self.rank0.read_kv_blocks(block_ids)] + ray.get(refs, timeout=self.step_timeout_s)
+        except Exception as e:
+            self._fail(e)
+        return torch.cat(parts, dim=2)
+
+    def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Each rank gets only its slice of the heads (prefill and decode TP may differ)."""
+        refs = [
+            w.write_kv_blocks.remote(block_ids, head_slice(data, r, self.tp)) for r, w in enumerate(self.workers, 1)
+        ]
+        try:
+            self.rank0.write_kv_blocks(block_ids, head_slice(data, 0, self.tp))
+            ray.get(refs, timeout=self.step_timeout_s)
+        except Exception as e:
+            self._fail(e)
 
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         """The speculative verify-step cost table, measured by all ranks together (before any

@@ -9,6 +9,9 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEventLog
 from engine.core.scheduler import Scheduler
 from engine.executor import Executor
+from engine.kv_transfer.blocks import KVBlocks
+from engine.kv_transfer.config import KVTransferConfig
+from engine.kv_transfer.remote_prefill import KVLoadRequest
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
@@ -23,6 +26,7 @@ class EngineCore:
         cache_config: CacheConfig,
         executor: Executor,
         spec_config: SpeculativeConfig | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.executor = executor
         cost = None
@@ -30,7 +34,8 @@ class EngineCore:
             # The verify step's cost on this machine, before any request uses the KV pool.
             table = executor.measure_step_costs(scheduler_config.max_num_seqs, spec_config.num_speculative_tokens)
             cost = StepCostModel(table) if table else None
-        self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks, spec_config, cost)
+        self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks, spec_config, cost, kv_transfer)
+        self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
 
     def add_request(self, request: Request) -> None:
@@ -56,7 +61,50 @@ class EngineCore:
         t0 = time.perf_counter()
         mro = self.executor.execute_model(so)
         self.scheduler.observe_step_time(so, time.perf_counter() - t0)
-        return self.scheduler.update_from_output(so, mro)
+        outputs = self.scheduler.update_from_output(so, mro)
+        self._export_kv(outputs)
+        return outputs
+
+    # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
+
+    def _export_kv(self, outputs: list[EngineCoreOutput]) -> None:
+        """Prefill side: read out the blocks of requests that asked for it, then free them. Read
+        on the step thread right after the step that filled them, before any other allocation."""
+        exports = self.scheduler.take_exports()
+        if not exports:
+            return
+        by_id = {o.request_id: o for o in outputs}
+        for req, block_ids in exports:
+            try:
+                data = self.executor.read_kv_blocks(block_ids)
+            finally:
+                self.scheduler.release_export(req)
+            out = by_id.get(req.request_id)
+            if out is not None:
+                out.kv_blocks = KVBlocks(self.kv_layout, req.kv_export_first_block, req.num_prompt_tokens, data)
+
+    def take_kv_loads(self) -> list[KVLoadRequest]:
+        """Decode side: the remote prefills to perform (the caller moves the KV, then calls
+        `load_kv` or `kv_load_failed`)."""
+        return self.scheduler.take_kv_loads()
+
+    def load_kv(self, request_id: str, blocks: KVBlocks) -> None:
+        """Write a remote prefill's KV into the request's blocks; it is then scheduled for the
+        rest of its prompt. A request aborted meanwhile is ignored; a payload that does not fit
+        its request (layout, block count) is treated as a failed load."""
+        target = self.scheduler.remote_kv_target(request_id)
+        if target is None:
+            return
+        blocks.check(self.kv_layout, len(target))
+        self.executor.write_kv_blocks(target, blocks.data)
+        self.scheduler.remote_kv_done(request_id, loaded=True)
+
+    def kv_load_failed(self, request_id: str, error: str | None = None) -> None:
+        """A remote prefill failed: recompute it here (`error` None) or fail the request."""
+        self.scheduler.remote_kv_done(request_id, loaded=False, error=error)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
 
     def publish_kv_events(self) -> None:
         self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())

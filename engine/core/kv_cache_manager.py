@@ -65,9 +65,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        publish: bool = True,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` after the request's computed tokens (plus the hit
         blocks `new_computed_blocks`, not yet counted in `request.num_computed_tokens`).
+        `publish=False`: the new blocks' contents come from elsewhere later (a remote prefill),
+        so they stay out of the hash map until `publish_blocks`.
 
         Returns the ids of the freshly allocated blocks (maybe []), or None when the pool is
         short; on None nothing changed.
@@ -87,9 +90,14 @@ class KVCacheManager:
         req_blocks.extend(computed)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
-        if self.can_share(request):
+        if publish and self.can_share(request):
             self._cache_blocks(request, min(total, request.num_tokens) // self.block_size)
         return [b.block_id for b in new_blocks]
+
+    def publish_blocks(self, request: Request, num_tokens: int) -> None:
+        """The request's first `num_tokens` tokens are now in its blocks: publish the full ones."""
+        if self.can_share(request):
+            self._cache_blocks(request, min(num_tokens, request.num_tokens) // self.block_size)
 
     def _cache_blocks(self, request: Request, num_full_blocks: int) -> None:
         num_cached = self.num_cached_block.get(request.request_id, 0)

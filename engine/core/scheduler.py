@@ -13,13 +13,15 @@ from collections import deque
 from typing import Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager, cdiv
 from engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from engine.kv_transfer.config import KVTransferConfig
+from engine.kv_transfer.remote_prefill import KVLoadRequest, RemotePrefill
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
@@ -36,6 +38,7 @@ class Scheduler:
         num_blocks: int,
         spec_config: SpeculativeConfig | None = None,
         step_cost: StepCostModel | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -53,6 +56,10 @@ class Scheduler:
         # Speculative decoding (None: off).
         self.drafting = Drafting(spec_config, scheduler_config, step_cost) if spec_config is not None else None
         self._truncated: dict[str, int] = {}  # block tables cut since the last schedule()
+        # Disaggregated serving (None: colocated). Decode side: requests waiting for remote KV.
+        # Prefill side: finished requests whose blocks are read out before they are freed.
+        self.remote = RemotePrefill(kv_transfer, self.block_size) if kv_transfer is not None else None
+        self._exports: list[Request] = []
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -98,6 +105,8 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            elif self.remote is not None:
+                self.remote.forget(rid)
             req.status = status
             self._free_request(req)
 
@@ -105,7 +114,13 @@ class Scheduler:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _free_request(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
+        if req.kv_export_first_block is not None and req.status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        ):
+            self._exports.append(req)  # freed by release_export once its blocks are read
+        else:
+            self.kv_cache_manager.free(req)
         if self.drafting is not None:
             self.drafting.forget(req.request_id)
             self._truncated.pop(req.request_id, None)
@@ -114,10 +129,18 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_outputs or self.num_waiting_for_remote_kv)
+
+    def has_work(self) -> bool:
+        """Something a step could do now (requests waiting for remote KV need no step)."""
         return bool(self.waiting or self.running or self._pending_outputs)
 
     def get_num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self.num_waiting_for_remote_kv
+
+    @property
+    def num_waiting_for_remote_kv(self) -> int:
+        return len(self.remote.waiting) if self.remote is not None else 0
 
     # --- schedule ---------------------------------------------------------------------------
 
@@ -215,9 +238,22 @@ class Scheduler:
         if not preempted:
             if self.config.policy == "priority":
                 self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while (
+                self.waiting
+                and budget > 0
+                and len(self.running) + self.num_waiting_for_remote_kv < self.config.max_num_seqs
+            ):
                 req = self.waiting[0]
-                hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+                if req.blocks_preallocated:  # its KV arrived (or is recomputed): blocks held
+                    hit_blocks, num_hit = [], 0
+                    req.blocks_preallocated = False
+                else:
+                    hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+                    remote = self.remote.remote_tokens(req, num_hit) if self.remote is not None else 0
+                    if remote:
+                        if not self._wait_for_remote_kv(req, hit_blocks, num_hit, remote):
+                            break
+                        continue
                 n = self._num_new_tokens(req, budget, num_hit)
                 block_ids = self.kv_cache_manager.allocate_slots(req, n, hit_blocks)
                 if block_ids is None:
@@ -260,6 +296,68 @@ class Scheduler:
             out.truncated_block_tables, self._truncated = self._truncated, {}
         self.num_steps += 1
         return out
+
+    # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
+
+    def _wait_for_remote_kv(self, req: Request, hit_blocks, num_hit: int, num_tokens: int) -> bool:
+        """Hold blocks for the first `num_tokens` prompt tokens and wait for their KV."""
+        if self.kv_cache_manager.allocate_slots(req, num_tokens - num_hit, hit_blocks, publish=False) is None:
+            return False
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.remote.add(req, self.kv_cache_manager.get_block_ids(req.request_id), num_hit, num_tokens)
+        return True
+
+    def take_kv_loads(self) -> list[KVLoadRequest]:
+        """Remote prefills asked for since the last call (the caller performs them)."""
+        return self.remote.take_loads() if self.remote is not None else []
+
+    def remote_kv_target(self, request_id: str) -> list[int] | None:
+        """The block ids a load's contents go to; None when the request is gone (aborted)."""
+        entry = self.remote.waiting.get(request_id) if self.remote is not None else None
+        if entry is None:
+            return None
+        _, load = entry
+        return self.kv_cache_manager.get_block_ids(request_id)[load.first_block : load.first_block + load.num_blocks]
+
+    def remote_kv_done(self, request_id: str, loaded: bool, error: str | None = None) -> None:
+        """A load ended. `loaded`: its contents are in the blocks; else they are recomputed here,
+        or with `error` the request fails with it."""
+        entry = self.remote.waiting.pop(request_id, None) if self.remote is not None else None
+        if entry is None:
+            return
+        req, load = entry
+        if not loaded:
+            self.remote.num_failed += 1
+            if error is not None:
+                req.status = RequestStatus.FINISHED_ERROR
+                self._free_request(req)
+                self._pending_outputs.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
+                return
+        else:
+            req.num_computed_tokens = load.num_tokens
+            self.kv_cache_manager.publish_blocks(req, load.num_tokens)
+        req.status = RequestStatus.WAITING
+        req.blocks_preallocated = True
+        self.waiting.appendleft(req)
+
+    def take_exports(self) -> list[tuple[Request, list[int]]]:
+        """Prefill side: finished requests whose KV is to be read out, with the block ids (from
+        `kv_export_first_block` to the last block holding a prompt token). Free each with
+        `release_export` once read."""
+        out = []
+        for req in self._exports:
+            ids = self.kv_cache_manager.get_block_ids(req.request_id)
+            out.append((req, ids[req.kv_export_first_block : cdiv(req.num_prompt_tokens, self.block_size)]))
+        self._exports = []
+        return out
+
+    def release_export(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
 
     # --- results ----------------------------------------------------------------------------
 
@@ -342,7 +440,7 @@ class Scheduler:
     def snapshot(self) -> EngineStats:
         """The state after the last step (built on the step thread; read anywhere)."""
         kv = self.kv_cache_manager.stats(self.running)
-        d = self.drafting
+        d, rp = self.drafting, self.remote
         unscheduled = [
             r.arrival_time for r in self.waiting if r.status == RequestStatus.WAITING and r.first_scheduled_time is None
         ]
@@ -365,6 +463,10 @@ class Scheduler:
             spec_num_drafts=d.num_drafts if d else 0,
             spec_num_draft_tokens=d.num_draft_tokens if d else 0,
             spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
+            num_waiting_for_remote_kv=len(rp.waiting) if rp else 0,
+            num_remote_prefills=rp.num_remote if rp else 0,
+            num_local_prefills=rp.num_local if rp else 0,
+            num_remote_prefill_failures=rp.num_failed if rp else 0,
         )
 
     def stats(self) -> dict:
@@ -375,5 +477,8 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv_cache_manager.check_integrity()
-        assert set(self.kv_cache_manager.req_to_blocks) <= {r.request_id for r in self.running}
+        holders = {r.request_id for r in self.running} | {r.request_id for r in self.waiting if r.blocks_preallocated}
+        if self.remote is not None:
+            holders |= set(self.remote.waiting)
+        assert set(self.kv_cache_manager.req_to_blocks) <= holders
         assert len(self.running) <= self.config.max_num_seqs

@@ -1,0 +1,29 @@
+"""The runner half of the KV hand-off: copy whole blocks out of and into one rank's paged cache.
+
+A rank's cache is one tensor per layer, (2, local kv heads, blocks, block_size, head_dim); a
+rank holds heads [rank * local, (rank + 1) * local) of the model's (column-parallel QKV).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """(layers, 2, local heads, len(block_ids), block_size, head_dim), a copy on the CPU."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    return torch.stack([c.index_select(2, idx) for c in kv_caches]).cpu()
+
+
+def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
+    """Write `data` (this rank's heads, as `read_blocks` returns them) into `block_ids`."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
+    data = data.to(kv_caches[0].device)
+    for cache, layer in zip(kv_caches, data.unbind(0)):
+        cache.index_copy_(2, idx, layer)
+
+
+def head_slice(data: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """One rank's KV heads of a full-heads payload (dim 2)."""
+    local = data.shape[2] // world_size
+    return data[:, :, rank * local : (rank + 1) * local]
