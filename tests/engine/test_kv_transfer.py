@@ -129,7 +129,9 @@ def test_only_missing_blocks_move(colocated, prefill, decode):
     sp = SamplingParams(temperature=0, max_tokens=12)
     _, first = _run_pd(decode, prefill, [TEXT * 2], [sp])
     assert len(first) == 1 and first[0][0].first_block == 0
-    extended = TEXT * 2 + "Now list three facts about the prefill pool, three about the decode pool, and say which streams:"
+    extended = (
+        TEXT * 2 + "Now list three facts about the prefill pool, three about the decode pool, and say which streams:"
+    )
     ref = colocated.generate([extended], [sp], use_tqdm=False)
     got, moved = _run_pd(decode, prefill, [extended], [sp])
     _same(ref[0], got[0])
