@@ -112,6 +112,8 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         cfg = AppConfig()
     elif isinstance(cfg, dict):
         cfg = AppConfig(**cfg)
+    if cfg.disaggregated:
+        return _build_disaggregated(cfg)
     engines, pools = {}, []
     for name, pool in zip(engine_deployment_names(cfg), cfg.pool_configs()):
         pool, engine_options = autoscaled(pool, engine_deployment_options(pool))  # no-op without cfg.autoscaling
@@ -132,7 +134,41 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         cfg = cfg.model_copy(
             update={"models": models, "autoscaling": pools[0].autoscaling, "drain_timeout_s": pools[0].drain_timeout_s}
         )
-    ingress = Ingress.options(
+    return _ingress(cfg, pools).bind(engines, cfg.model_dump())
+
+
+PREFILL_DEPLOYMENT = f"{EngineReplica.name}-prefill"
+
+
+def _build_disaggregated(cfg: AppConfig) -> Application:
+    """Prefill pool + decode pool (the `EngineReplica` deployment, as colocated apps name it,
+    so routing, failover and /health work unchanged) behind one router. Decode first: the
+    router picks a decode replica; it asks a prefill replica for the KV of long prompts."""
+    prefill_cfg = cfg.prefill_pool_config()
+    prefill_cfg, p_opts = autoscaled(prefill_cfg, engine_deployment_options(prefill_cfg), pool_name="prefill")
+    p_opts["ray_actor_options"] = single_loop(p_opts["ray_actor_options"])
+    prefill = EngineReplica.options(name=PREFILL_DEPLOYMENT, **p_opts).bind(
+        prefill_cfg.engine_args("prefill"), prefill_cfg.max_queued_requests_per_replica, cfg.stuck_step_timeout_s
+    )
+    decode_cfg, d_opts = autoscaled(cfg, engine_deployment_options(cfg), pool_name="decode")
+    if decode_cfg.autoscaling is not None:
+        drain = max(1.0, d_opts["graceful_shutdown_timeout_s"] - DRAIN_MARGIN_S)
+        decode_cfg = decode_cfg.model_copy(update={"drain_timeout_s": drain})
+    d_opts["ray_actor_options"] = single_loop(d_opts["ray_actor_options"])
+    decode = EngineReplica.options(name=EngineReplica.name, **d_opts).bind(
+        decode_cfg.engine_args("decode"),
+        decode_cfg.max_queued_requests_per_replica,
+        cfg.stuck_step_timeout_s,
+        prefill=prefill,
+        kv_transfer_failure=cfg.kv_transfer_failure,
+        kv_transfer_timeout_s=cfg.kv_transfer_timeout_s,
+    )
+    decode_cfg = decode_cfg.model_copy(update={"prefill_replicas": prefill_cfg.num_replicas})
+    return _ingress(decode_cfg, [decode_cfg]).bind({decode_cfg.model_name: decode}, decode_cfg.model_dump(), prefill)
+
+
+def _ingress(cfg: AppConfig, pools: list[AppConfig]):
+    return Ingress.options(
         num_replicas=cfg.router_replicas,
         ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
         max_ongoing_requests=max(1000, 4 * sum(p.max_queued_requests for p in pools)),
@@ -142,7 +178,6 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         graceful_shutdown_timeout_s=max(cfg.request_timeout_s, cfg.drain_timeout_s) + 2 * DRAIN_MARGIN_S,
         graceful_shutdown_wait_loop_s=0.5,
     )
-    return ingress.bind(engines, cfg.model_dump())
 
 
 def app_builder(args: AppConfig) -> Application:

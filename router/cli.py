@@ -71,8 +71,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="local HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)"
     )
     s.add_argument("--served-model-name", default=None)
-    s.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=_d("tensor_parallel_size"))
-    s.add_argument("--replicas", type=int, default=_d("num_replicas"), help="engine replicas")
+    s.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "--decode-tp",
+        dest="tp",
+        type=int,
+        default=_d("tensor_parallel_size"),
+        help="workers per engine replica (disaggregated: per decode replica)",
+    )
+    s.add_argument(
+        "--replicas",
+        "--decode-replicas",
+        dest="replicas",
+        type=int,
+        default=_d("num_replicas"),
+        help="engine replicas (disaggregated: decode replicas)",
+    )
+    s.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=_d("prefill_replicas"),
+        help="prefill pool replicas: > 0 serves disaggregated (decode replicas get long prompts' KV from it)",
+    )
+    s.add_argument("--prefill-tp", type=int, default=None, help="workers per prefill replica (default: --tp)")
+    s.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=_d("local_prefill_max_tokens"),
+        help="disaggregated: uncached prompt suffixes up to this long are prefilled on the decode replica",
+    )
+    s.add_argument(
+        "--kv-transfer-failure",
+        choices=["recompute", "fail"],
+        default=_d("kv_transfer_failure"),
+        help="disaggregated: a failed remote prefill is recomputed on the decode replica, or fails the request",
+    )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
@@ -171,12 +205,15 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
     replicas_tp = [
         (int(p.get("num_replicas") or a.replicas), int(p.get("tensor_parallel_size") or a.tp)) for p in pools or [{}]
     ]
+    if a.prefill_replicas:
+        replicas_tp.append((a.prefill_replicas, a.prefill_tp or a.tp))
     workers = sum(r * tp for r, tp in replicas_tp)
     if getattr(a, "autoscaling", None):  # size CPUs for the most replicas the policy may start
         from router.controller.autoscaling_config import load_autoscaling
 
-        most = load_autoscaling(a.autoscaling).pools["engine"].max_replicas
-        workers = sum(most * tp for _, tp in replicas_tp)
+        most = load_autoscaling(a.autoscaling).pool("engine").max_replicas
+        engine_pools = replicas_tp[:-1] if a.prefill_replicas else replicas_tp  # the prefill pool stays fixed
+        workers = sum(most * tp for _, tp in engine_pools) + sum(r * tp for r, tp in replicas_tp[len(engine_pools) :])
     cpus = max(1.0, cores // workers) if cores >= workers else cores / workers
     return AppConfig(
         model=a.model,
@@ -186,6 +223,10 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         device=a.device,
         tensor_parallel_size=a.tp,
         num_replicas=a.replicas,
+        prefill_replicas=a.prefill_replicas,
+        prefill_tensor_parallel_size=a.prefill_tp,
+        local_prefill_max_tokens=a.local_prefill_max_tokens,
+        kv_transfer_failure=a.kv_transfer_failure,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_model_len=a.max_model_len,

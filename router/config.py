@@ -144,6 +144,32 @@ class AppConfig(BaseModel):
         False, description="Serve without a key on a non-loopback HTTP bind (otherwise the ingress refuses to start)."
     )
 
+    # --- disaggregated serving: a prefill pool beside the engine (decode) pool ---
+    prefill_replicas: int = Field(
+        0,
+        ge=0,
+        description="Replicas of the prefill pool. 0 = colocated (every engine replica prefills and decodes); "
+        "> 0: the engine replicas (num_replicas, tensor_parallel_size) are the decode pool and ask the prefill "
+        "pool for the KV of long uncached prompts.",
+    )
+    prefill_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="Workers per prefill replica (default: tensor_parallel_size); may differ from decode's."
+    )
+    local_prefill_max_tokens: int = Field(
+        64,
+        ge=0,
+        description="Disaggregated: an uncached prompt suffix of at most this many tokens is prefilled by the "
+        "decode replica itself (no transfer).",
+    )
+    kv_transfer_failure: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="Disaggregated: when a remote prefill or its KV transfer fails, recompute on the decode "
+        "replica, or fail the request with an error.",
+    )
+    kv_transfer_timeout_s: float = Field(
+        60.0, gt=0, description="Disaggregated: a remote prefill + transfer taking longer than this has failed."
+    )
+
     # --- several models behind one endpoint ---
     models: list[ModelPool] | None = Field(
         None,
@@ -188,6 +214,32 @@ class AppConfig(BaseModel):
         if self.api_key is None and not self.api_key_file and os.environ.get("ORBITAL_API_KEY"):
             self.api_key = os.environ["ORBITAL_API_KEY"]
         return self
+
+    @model_validator(mode="after")
+    def _disaggregated(self) -> "AppConfig":
+        if self.prefill_replicas and self.models is not None:
+            raise ValueError("prefill_replicas: disaggregated serving takes one model (no `models` pools)")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_replicas > 0
+
+    def prefill_pool_config(self) -> "AppConfig":
+        """The prefill pool as a complete AppConfig (its replicas and TP degree, no autoscaling
+        of its own unless the policy file names a `prefill` pool)."""
+        return self.model_copy(
+            update={
+                "num_replicas": self.prefill_replicas,
+                "tensor_parallel_size": self.prefill_tensor_parallel_size or self.tensor_parallel_size,
+                "speculative": None,
+            }
+        )
+
+    def kv_transfer_config(self, role: str) -> dict | None:
+        if not self.disaggregated:
+            return None
+        return {"role": role, "local_prefill_max_tokens": self.local_prefill_max_tokens}
 
     @model_validator(mode="after")
     def _pools(self) -> "AppConfig":
@@ -255,9 +307,11 @@ class AppConfig(BaseModel):
             return self.gpus_per_worker
         return 1.0 if self.device.startswith("cuda") else 0.0
 
-    def engine_args(self) -> dict:
-        """EngineArgs fields (a plain dict, so it travels to replicas as-is)."""
+    def engine_args(self, kv_role: str = "decode") -> dict:
+        """EngineArgs fields (a plain dict, so it travels to replicas as-is). `kv_role`: which
+        pool of a disaggregated app the engine serves (ignored when colocated)."""
         return {
+            "kv_transfer_config": self.kv_transfer_config(kv_role),
             "model": self.model,
             "dtype": self.dtype,
             "quantization": self.quantization,

@@ -14,6 +14,9 @@ replica -> ingress (the output channel, one streaming call per (ingress, replica
 replica -> ingress (the KV event feed, `kv_events`, one short-lived streaming call at a time):
   * `KVEventsUpdate`: a snapshot of the replica's cached block hashes (first contact, a gap,
     a restarted engine) and/or the batches since the last one the ingress saw.
+decode replica -> prefill replica (disaggregated serving, router/replica/remote_prefill.py):
+  * `PrefillKV`: compute these tokens and hand over their KV from block `first_block` on;
+    answered with `PrefillKVDone` (a workers.kv_transport.KVHandle and the compute time).
 replica -> ingress (once, when the model path does not exist where the ingress runs):
   * `TextSideFiles`: the model directory's tokenizer, config and chat template, no weights.
 `decode` checks the type once, where the bytes come in.
@@ -25,6 +28,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from engine.core.kv_events import KVEventBatch, KVSnapshot
+from engine.kv_transfer.blocks import KVLayout
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -50,6 +54,21 @@ class SubmitRequest:
     resume: dict[str, list[int]] | None = None
     # Replicas the replica choice must not pick (the ones this request already left).
     avoid_replicas: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillKV:
+    request_id: str  # the decode replica's sequence id (logs, and the prefill request's id)
+    prompt_token_ids: list[int]  # the prompt minus its last token
+    first_block: int  # the decode replica holds the blocks before it
+    layout: KVLayout  # the decode replica's: a prefill replica with another one refuses
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillKVDone:
+    handle: object  # workers.kv_transport.KVHandle
+    replica_id: str
+    compute_s: float  # arrival at the prefill replica to its KV read out
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,10 @@ HISTOGRAMS = {
     "inter_token_latency_seconds": (ITL_BUCKETS, "Time between consecutive output tokens."),
     "e2e_request_latency_seconds": (REQUEST_BUCKETS, "End-to-end request latency (from router arrival)."),
     "request_queue_time_seconds": (REQUEST_BUCKETS, "Time a request waited before it was first scheduled."),
+    # Disaggregated serving, decode replicas: fetching + writing a prefill's KV, and the whole
+    # remote prefill (asking the prefill pool, its compute, the transfer).
+    "kv_transfer_seconds": (TTFT_BUCKETS, "Time to move one prefill's KV blocks into a decode replica."),
+    "remote_prefill_seconds": (TTFT_BUCKETS, "Time from asking the prefill pool to the KV written (decode side)."),
 }
 COUNTERS = {
     "prompt_tokens": "Prompt tokens processed.",
@@ -104,6 +108,15 @@ SPEC_COUNTERS = {
     "spec_decode_num_drafts": ("spec_num_drafts", "Verifications of draft tokens (speculative decoding)."),
     "spec_decode_num_draft_tokens": ("spec_num_draft_tokens", "Draft tokens proposed and verified."),
     "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens", "Draft tokens accepted."),
+}
+# Disaggregated serving, from the decode replicas' stats: stats key -> help.
+KV_TRANSFER_COUNTERS = {
+    "kv_transfers": "KV hand-offs from the prefill pool completed (decode side).",
+    "kv_transfer_blocks": "KV blocks moved from the prefill pool.",
+    "kv_transfer_bytes": "KV bytes moved from the prefill pool.",
+    "kv_transfer_failures": "Remote prefills or KV transfers that failed (recomputed or failed per policy).",
+    "num_remote_prefills": "Prompts the decode replicas asked the prefill pool for.",
+    "num_local_prefills": "Prompts the decode replicas prefilled themselves (short uncached suffix).",
 }
 
 
@@ -193,11 +206,14 @@ def render_pools(
     pools: list[tuple[str, list[dict], dict]],
     tier_overflows: dict[tuple[str, str, str], int] | None = None,
     routing: dict | None = None,
+    roles: dict[str, list[dict]] | None = None,
 ) -> bytes:
     """One page for several model pools: `pools` is (model name, its engine replicas' stats, its
     router queue's stats) per pool; every series carries its pool's `model_name`, and each family
     has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool) -> requests moved on.
-    `routing`: this router replica's `routing_log.stats()` (per engine replica decisions)."""
+    `routing`: this router replica's `routing_log.stats()` (per engine replica decisions).
+    `roles` (a disaggregated app): pool role ("prefill", "decode") -> its replicas' stats, for
+    the per-pool series and the KV transfer counters."""
     fams: dict[str, object] = {}
 
     def family(kind, name: str, doc: str, labels: tuple[str, ...] = ("model_name",)):
@@ -270,6 +286,8 @@ def render_pools(
                 family(CounterMetricFamily, f"router_{key}", doc, labels).add_metric(
                     [model_name, s["replica_id"]], c[key]
                 )
+    if roles:
+        _render_roles(family, pools[0][0], roles)
     if routing is not None:
         decisions = family(
             CounterMetricFamily, "router_decision_seconds", "CPU time of this router's replica choices.", ()
@@ -290,3 +308,24 @@ def render_pools(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(list(fams.values())))
     return generate_latest(registry)
+
+
+def _render_roles(family, model_name: str, roles: dict[str, list[dict]]) -> None:
+    """Per-pool series of a disaggregated app (`pool` label) and the decode side's transfers."""
+    labels = ("model_name", "pool")
+    for role, stats in roles.items():
+        agg = aggregate(stats)
+        lv = [model_name, role]
+        for name, doc, value in (
+            ("pool_num_replicas", "Replicas of the pool the router reached.", len(stats)),
+            ("pool_num_requests_running", "Sequences in the pool's running batches.", agg["num_running"]),
+            ("pool_num_requests_waiting", "Sequences waiting in the pool's queues.", agg["num_waiting"]),
+            ("pool_kv_cache_usage_perc", "KV cache usage of the pool (1 = full).", agg["kv_cache_usage"]),
+        ):
+            family(GaugeMetricFamily, name, doc, labels).add_metric(lv, value)
+        family(CounterMetricFamily, "pool_prompt_tokens", "Prompt tokens the pool received.", labels).add_metric(
+            lv, agg["prompt_tokens"]
+        )
+    decode = roles.get("decode", [])
+    for key, doc in KV_TRANSFER_COUNTERS.items():
+        family(CounterMetricFamily, key, doc).add_metric([model_name], sum(s.get(key, 0) for s in decode))

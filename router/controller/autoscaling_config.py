@@ -136,16 +136,30 @@ class PoolPolicy(BaseModel):
 class AutoscalingFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    pools: dict[str, PoolPolicy] = Field(description="Per replica pool. Known pools: engine.")
+    pools: dict[str, PoolPolicy] = Field(
+        description="Per replica pool: `engine` (colocated replicas), `decode` and `prefill` (a disaggregated "
+        "app; `decode` defaults to `engine`, a missing `prefill` keeps prefill_replicas fixed)."
+    )
 
     @model_validator(mode="after")
     def _known_pools(self) -> "AutoscalingFile":
-        unknown = sorted(set(self.pools) - {"engine"})
+        unknown = sorted(set(self.pools) - set(KNOWN_POOLS))
         if unknown:
-            raise ValueError(f"pools: unknown pool(s) {unknown}; known pools: ['engine']")
-        if "engine" not in self.pools:
-            raise ValueError("pools: the 'engine' pool is required")
+            raise ValueError(f"pools: unknown pool(s) {unknown}; known pools: {list(KNOWN_POOLS)}")
+        if "engine" not in self.pools and "decode" not in self.pools:
+            raise ValueError("pools: the 'engine' pool (or, disaggregated, 'decode') is required")
         return self
+
+    def pool(self, name: str) -> PoolPolicy | None:
+        """The policy of an app's pool: `engine` (colocated), `decode` (else `engine`), `prefill`."""
+        if name == "engine":
+            return self.pools.get("engine") or self.pools.get("decode")
+        if name == "decode":
+            return self.pools.get("decode") or self.pools.get("engine")
+        return self.pools.get(name)
+
+
+KNOWN_POOLS = ("engine", "decode", "prefill")
 
 
 def _format(err: ValidationError, source: str) -> str:
@@ -264,7 +278,7 @@ def pool_deployment_options(pool: PoolPolicy, options: dict) -> dict:
     return opts
 
 
-def autoscaled(cfg: AppConfig, engine_options: dict) -> tuple[AppConfig, dict]:
+def autoscaled(cfg: AppConfig, engine_options: dict, pool_name: str = "engine") -> tuple[AppConfig, dict]:
     """(cfg, engine deployment options) with `cfg.autoscaling` applied; unchanged without it.
 
     The returned cfg carries the validated policy inline (the router replicas need no file)
@@ -273,6 +287,8 @@ def autoscaled(cfg: AppConfig, engine_options: dict) -> tuple[AppConfig, dict]:
     if cfg.autoscaling is None:
         return cfg, engine_options
     policy = load_autoscaling(cfg.autoscaling)
-    pool = policy.pools["engine"]
+    pool = policy.pool(pool_name)
+    if pool is None:  # e.g. no `prefill` pool in the file: that pool keeps its fixed size
+        return cfg.model_copy(update={"autoscaling": None}), engine_options
     cfg = cfg.model_copy(update={"autoscaling": policy.model_dump(), "num_replicas": pool.min_replicas})
     return cfg, pool_deployment_options(pool, engine_options)

@@ -28,7 +28,7 @@ from ray.serve.handle import DeploymentHandle
 
 from router.config import AppConfig
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
-from router.ingress.model_pools import ModelPools, PoolClient
+from router.ingress.model_pools import ModelPools, PoolClient, SidePool
 from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, serve_http_host
 from router.metrics import render_pools
@@ -47,9 +47,16 @@ def _sse(obj) -> str:
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
-    async def __init__(self, engines: dict[str, DeploymentHandle] | DeploymentHandle, config: dict) -> None:
+    async def __init__(
+        self,
+        engines: dict[str, DeploymentHandle] | DeploymentHandle,
+        config: dict,
+        prefill: DeploymentHandle | None = None,
+    ) -> None:
         """`engines`: each model pool's served name -> its engine deployment's handle (one
-        handle alone: the one pool of a config without `models`)."""
+        handle alone: the one pool of a config without `models`). `prefill`: a disaggregated
+        app's prefill pool (requests go to the decode pool, `engines`; /health and /metrics
+        cover both)."""
         self.settings = cfg = AppConfig(**config)
         self.api_key = check_public_bind(cfg, serve_http_host())
         if not isinstance(engines, dict):
@@ -58,6 +65,7 @@ class Ingress:
         self.pools = await ModelPools.build(cfg, engines)
         default = self.pools.default
         self.engine, self.client, self.openai, self.tgi = default.handle, default.client, default.openai, default.tgi
+        self.prefill = SidePool("prefill", prefill, cfg.prefill_replicas) if prefill is not None else None
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001
@@ -214,7 +222,7 @@ class Ingress:
     async def health(self) -> dict:
         """ok only when every pool has its expected replicas up and answering; the top-level
         counts are the pools' sums, `pools` has each pool's own."""
-        pools = list(self.pools)
+        pools = list(self.pools) + ([self.prefill] if self.prefill is not None else [])
         each = await asyncio.gather(*(self._pool_health(p) for p in pools))
         return {
             "status": "ok" if all(h["status"] == "ok" for h in each) else "unavailable",
@@ -225,7 +233,10 @@ class Ingress:
         }
 
     async def replica_stats(self, pool: str | None = None) -> list[dict]:
-        """Each engine replica's stats for one pool (None: the first)."""
+        """Each engine replica's stats for one pool (None: the first; "prefill": a disaggregated
+        app's prefill pool)."""
+        if pool == "prefill" and self.prefill is not None:
+            return await self._stats(self.prefill)
         return await self._stats(self.pools.get(pool))
 
     async def _stats(self, pool: PoolClient) -> list[dict]:
@@ -237,7 +248,10 @@ class Ingress:
         page = [(p.name, s, p.client.stats()) for p, s in zip(pools, stats)]
         from router.replica_choice.routing_log import routing_log
 
-        return render_pools(page, self.pools.overflows, routing_log.stats())
+        roles = None
+        if self.prefill is not None:  # per-pool series of a disaggregated app
+            roles = {"decode": stats[0], "prefill": await self._stats(self.prefill)}
+        return render_pools(page, self.pools.overflows, routing_log.stats(), roles)
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:

@@ -48,6 +48,16 @@ class PoolClient:
     expected_replicas: int  # what /health wants up (num_replicas; min_replicas when autoscaled)
 
 
+@dataclass
+class SidePool:
+    """A pool the ingress sends no requests to but watches (/health, /metrics): the prefill
+    pool of a disaggregated app."""
+
+    name: str
+    handle: DeploymentHandle
+    expected_replicas: int
+
+
 async def with_local_text_side(cfg: AppConfig, handle: DeploymentHandle) -> AppConfig:
     """`cfg` itself when its model path exists on this node; else a copy naming a local directory
     with the tokenizer and config an engine replica sent (the served name stays)."""

@@ -32,6 +32,7 @@ from typing import AsyncIterator
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from engine.async_engine import AsyncEngine
 from engine.core.kv_events import KVEventBatch
@@ -40,10 +41,20 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model.text_side import text_side_files
 from engine.request import child_request_ids, parent_request_id
 from router.backpressure import ReplicaQueue
-from router.messages import AbortRequest, FinishSequences, KVEventsUpdate, SubmitRequest, TextSideFiles, encode
+from router.messages import (
+    AbortRequest,
+    FinishSequences,
+    KVEventsUpdate,
+    PrefillKV,
+    PrefillKVDone,
+    SubmitRequest,
+    TextSideFiles,
+    encode,
+)
 from router.metrics import COUNTERS, new_histograms
 from router.replica.autoscaling_stats import AutoscalingStats
 from router.replica.outbox import Outbox
+from router.replica.remote_prefill import RemotePrefills, prefill_kv
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
@@ -82,7 +93,16 @@ class _Job:
 
 @serve.deployment(name="EngineReplica")
 class EngineReplica:
-    def __init__(self, engine_args: dict, max_queued_requests: int = 64, stuck_step_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        engine_args: dict,
+        max_queued_requests: int = 64,
+        stuck_step_timeout_s: float = 120.0,
+        prefill: DeploymentHandle | None = None,
+        kv_transfer_failure: str = "recompute",
+        kv_transfer_timeout_s: float = 60.0,
+    ) -> None:
+        """`prefill` (decode replicas of a disaggregated app): the prefill pool's handle."""
         self.engine = AsyncEngine(EngineArgs(**engine_args), executor_factory=make_executor)
         self.stuck_step_timeout_s = stuck_step_timeout_s
         try:
@@ -100,6 +120,11 @@ class EngineReplica:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by the first call
         self._kv_waiters: set[asyncio.Event] = set()
         self.kv_log.add_listener(self._kv_published)
+        self.remote_prefills = (
+            RemotePrefills(self.engine, prefill, self.hist, kv_transfer_failure, kv_transfer_timeout_s)
+            if prefill is not None
+            else None
+        )
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)
 
     # --- generation -------------------------------------------------------------------------
@@ -110,6 +135,8 @@ class EngineReplica:
         if not self.engine.is_alive():
             raise EngineDeadError("the engine loop is not running")
         self._loop = asyncio.get_running_loop()
+        if self.remote_prefills is not None:
+            self.remote_prefills.loop = self._loop
         rid = msg.request_id
         if rid in self._jobs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -224,6 +251,8 @@ class EngineReplica:
             completed = all(c in job.children_done or c in job.stopped for c in job.children)
             if not all(c in job.children_done for c in job.children):
                 self.engine.abort(job.request_id)
+            if self.remote_prefills is not None:
+                self.remote_prefills.cancel(job.children)
             await stream.aclose()
             for c in job.children:
                 if c not in job.children_done:
@@ -274,6 +303,11 @@ class EngineReplica:
         else:
             self.engine.abort(msg.request_id)
 
+    async def prefill_kv(self, msg: PrefillKV, replica_id: str | None = None) -> PrefillKVDone:
+        """Prefill pool: compute a decode replica's prompt and hand over its KV blocks."""
+        self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
+        return await prefill_kv(self.engine, msg, self.replica_id)
+
     # --- health and stats -------------------------------------------------------------------
 
     async def check_health(self, replica_id: str | None = None) -> None:
@@ -296,6 +330,8 @@ class EngineReplica:
         s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}
         s["queue"] = self.queue.stats()
         s["alive"] = self.engine.is_alive()
+        if self.remote_prefills is not None:
+            s.update(self.remote_prefills.counters)
         for k in COUNTERS:
             s.setdefault(k, 0)
         return s

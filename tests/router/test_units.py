@@ -192,13 +192,14 @@ def test_engine_deployment_options():
     assert required_cpus(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=0.5)) == 6.0
 
 
-def test_serve_yaml_builds_the_app():
-    """What `serve run deploy/serve.yaml` does with import_path + args (no cluster needed)."""
+@pytest.mark.parametrize("config", ["serve.yaml", "serve-pd.yaml"])
+def test_serve_yaml_builds_the_app(config):
+    """What `serve run deploy/<config>` does with import_path + args (no cluster needed)."""
     from ray._common.utils import import_attr
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve.deployment import Application
 
-    raw = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())["applications"][0]
+    raw = yaml.safe_load((ROOT / "deploy" / config).read_text())["applications"][0]
     app = call_user_app_builder_with_args_if_necessary(import_attr(raw["import_path"]), raw["args"])
     assert isinstance(app, Application)
     with pytest.raises(ValidationError):  # args are validated by AppConfig
@@ -243,3 +244,34 @@ def test_retry_after_follows_the_queue(monkeypatch):
     with pytest.raises(OverloadedError) as e:
         q.admit("y")
     assert e.value.retry_after == 8  # 4 queued at 0.5/s
+
+
+def test_disaggregated_app_has_two_pools_scaled_on_their_own():
+    """prefill_replicas > 0: a prefill deployment beside the decode one (named as colocated apps
+    name their engine, so routing and failover are unchanged), each with its own autoscaling
+    pool from the policy file; P/D with several model pools is refused clearly."""
+    from router.app import PREFILL_DEPLOYMENT, build_app
+    from router.config import AppConfig
+    from router.replica.deployment import EngineReplica
+
+    cfg = AppConfig(
+        prefill_replicas=1,
+        prefill_tensor_parallel_size=1,
+        tensor_parallel_size=3,
+        num_replicas=2,
+        autoscaling=str(ROOT / "deploy" / "autoscaling.yaml"),
+    )
+    app = build_app(cfg)
+    ingress = app._bound_deployment
+    decode_app, prefill_app = ingress.init_args[0][cfg.model_name], ingress.init_args[2]
+    decode, prefill = decode_app._bound_deployment, prefill_app._bound_deployment
+    assert decode.name == EngineReplica.name and prefill.name == PREFILL_DEPLOYMENT
+    assert decode.init_args[0]["kv_transfer_config"]["role"] == "decode"
+    assert decode.init_args[0]["tensor_parallel_size"] == 3
+    assert prefill.init_args[0]["kv_transfer_config"]["role"] == "prefill"
+    assert prefill.init_args[0]["tensor_parallel_size"] == 1
+    assert decode.init_kwargs["prefill"] is prefill_app
+    assert decode._deployment_config.autoscaling_config.max_replicas == 8  # `engine` (no `decode` entry)
+    assert prefill._deployment_config.autoscaling_config.max_replicas == 4  # `prefill`
+    with pytest.raises(ValidationError, match="disaggregated serving takes one model"):
+        AppConfig(prefill_replicas=1, models=[{"name": "a"}])

@@ -1,0 +1,61 @@
+"""Faults in disaggregated serving, injected from outside: SIGKILL of the prefill replica's
+process while long prompts are being prefilled there. Every request ends with its full output
+(policy recompute: the decode replica computes what the dead prefill replica did not send), the
+failures are counted, and the decode pool gets every block back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine import SamplingParams
+from tests.disagg.conftest import transfer_counters
+from tests.disagg.test_outputs import DOC, _client, _complete
+
+pytestmark = pytest.mark.slow
+
+
+def test_prefill_replica_killed_mid_transfer(pd_cluster, reference_llm):
+    url, handle = pd_cluster["url"], pd_cluster["handle"]
+    prompts = [f"Volume {i}. " + DOC * 4 + "What happened next?" for i in range(6)]
+    params = SamplingParams(max_tokens=20, temperature=0)
+    refs = reference_llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+    before = transfer_counters(url)
+
+    async def run():
+        [prefill] = await handle.replica_stats.remote("prefill")
+        c = _client(url)
+        tasks = [asyncio.create_task(_complete(c, p, max_tokens=20, temperature=0)) for p in prompts]
+        # Kill once the prefill replica has work in flight (or at the latest after 1 s).
+        for _ in range(50):
+            s = await handle.replica_stats.remote("prefill")
+            if s and (s[0]["num_running"] or s[0]["num_waiting"] or s[0]["prompt_tokens"] > prefill["prompt_tokens"]):
+                break
+            await asyncio.sleep(0.02)
+        os.kill(prefill["pid"], signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    got = asyncio.run(run())
+    for ref, resp in zip(refs, got):
+        assert resp.choices[0].text == ref.outputs[0].text
+        assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
+    after = transfer_counters(url)
+    assert after["kv_transfer_failures"] > before["kv_transfer_failures"]
+    stats = asyncio.run(handle.replica_stats.remote())
+    assert all(s["blocks_used"] == 0 for s in stats)
+    asyncio.run(_decode_idle(handle))
+
+
+async def _decode_idle(handle) -> None:
+    # The prefill pool is being replaced by Serve (its replica died): only the decode side here.
+    for _ in range(60):
+        stats = await handle.replica_stats.remote()
+        if all(s["blocks_used"] == 0 and not s["num_running"] for s in stats):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"decode pool still holds blocks: {stats}")
+
+
