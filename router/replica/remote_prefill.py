@@ -52,7 +52,7 @@ class RemotePrefills:
         self.layout = engine.engine.core.kv_layout
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the replica's first request
         self.tasks: dict[str, asyncio.Task] = {}  # sequence id -> its load
-        self.counters = {k: 0 for k in KV_TRANSFER_COUNTERS}
+        self.counters = {k: 0 for k in KV_TRANSFER_COUNTERS if k.startswith("kv_transfer")}
         engine.on_kv_loads = self._from_step_thread
 
     def _from_step_thread(self, loads: list[KVLoadRequest]) -> None:

@@ -44,7 +44,7 @@ def test_prefill_replica_killed_mid_transfer(pd_cluster, reference_llm):
         assert resp.choices[0].finish_reason == ref.outputs[0].finish_reason
     after = transfer_counters(url)
     assert after["kv_transfer_failures"] > before["kv_transfer_failures"]
-    stats = asyncio.run(handle.replica_stats.remote())
+    stats = handle.replica_stats.remote().result()
     assert all(s["blocks_used"] == 0 for s in stats)
     asyncio.run(_decode_idle(handle))
 
