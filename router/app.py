@@ -49,6 +49,9 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
     actor = {"num_cpus": cpus}
     if cfg.worker_gpus:
         bundle["GPU"] = actor["num_gpus"] = cfg.worker_gpus
+    bundles = [dict(bundle) for _ in range(cfg.tensor_parallel_size)]
+    if cfg.replica_resources:  # pins the pool to nodes that advertise these resources
+        bundles[0].update(cfg.replica_resources)
     if cfg.engine_runtime_env:
         actor["runtime_env"] = dict(cfg.engine_runtime_env)
     # Room for every accepted request plus control calls (finish, stats, health): the engine's
@@ -56,7 +59,7 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
     max_ongoing = cfg.max_num_seqs + cfg.max_queued_requests_per_replica + 64
     return dict(
         num_replicas=cfg.num_replicas,
-        placement_group_bundles=[dict(bundle) for _ in range(cfg.tensor_parallel_size)],
+        placement_group_bundles=bundles,
         placement_group_strategy="STRICT_PACK",
         ray_actor_options=actor,
         max_ongoing_requests=max_ongoing,

@@ -86,6 +86,11 @@ class AppConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
+    replica_resources: dict[str, float] | None = Field(
+        None,
+        description="Custom Ray resources each engine replica's first bundle asks for (pins the pool to the nodes "
+        "that advertise them, e.g. a `ray up` node type's resources).",
+    )
     engine_runtime_env: dict | None = Field(
         None,
         description="Ray runtime_env of the engine replicas (their tensor-parallel workers inherit it): "
@@ -166,6 +171,11 @@ class AppConfig(BaseModel):
         description="Disaggregated: when a remote prefill or its KV transfer fails, recompute on the decode "
         "replica, or fail the request with an error.",
     )
+    prefill_replica_resources: dict[str, float] | None = Field(
+        None,
+        description="Disaggregated: custom Ray resources each prefill replica asks for (e.g. {prefill_node: 1}), "
+        "to put the prefill pool on the nodes that advertise them; `replica_resources` does the same for decode.",
+    )
     kv_transfer_timeout_s: float = Field(
         60.0, gt=0, description="Disaggregated: a remote prefill + transfer taking longer than this has failed."
     )
@@ -232,6 +242,7 @@ class AppConfig(BaseModel):
             update={
                 "num_replicas": self.prefill_replicas,
                 "tensor_parallel_size": self.prefill_tensor_parallel_size or self.tensor_parallel_size,
+                "replica_resources": self.prefill_replica_resources,
                 "speculative": None,
             }
         )

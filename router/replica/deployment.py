@@ -110,6 +110,12 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
             self.replica_id = "local"
         self.queue = ReplicaQueue(max_queued_requests)
+        try:
+            import ray
+
+            self.node_id = ray.get_runtime_context().get_node_id()
+        except Exception:  # noqa: BLE001 - outside Ray (unit use)
+            self.node_id = None
         self.hist = new_histograms()
         self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens", "migrated_in")}
         self.finished: dict[str, int] = {}
@@ -325,6 +331,7 @@ class EngineReplica:
         s.update(self.counters)
         s["replica_id"] = self.replica_id
         s["pid"] = os.getpid()
+        s["node_id"] = self.node_id
         s["channel_messages"] = self.channel_messages
         s["finished"] = dict(self.finished)
         s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}

@@ -57,5 +57,3 @@ async def _decode_idle(handle) -> None:
             return
         await asyncio.sleep(0.5)
     raise AssertionError(f"decode pool still holds blocks: {stats}")
-
-
