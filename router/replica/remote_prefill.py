@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.kv_transfer.remote_prefill import KVLoadRequest
@@ -67,7 +67,7 @@ class RemotePrefills:
         for load in loads:
             self.tasks[load.request_id] = asyncio.get_running_loop().create_task(self._load(load))
 
-    def cancel(self, sequence_ids) -> None:
+    def cancel(self, sequence_ids: Iterable[str]) -> None:
         """The request ended here (abort, disconnect): stop waiting for its KV."""
         for sid in sequence_ids:
             task = self.tasks.pop(sid, None)
