@@ -51,6 +51,7 @@ class _RequestState:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_kind: str = "invalid"
     metrics: dict = field(default_factory=dict)
 
     @property
@@ -149,7 +150,7 @@ class OutputProcessor:
         if out.prompt_logprobs is not None and state.prompt_logprobs is None:
             state.prompt_logprobs = [self._decorate(lp) for lp in out.prompt_logprobs]
         if out.error is not None:
-            state.error = out.error
+            state.error, state.error_kind = out.error, out.error_kind
 
         ids, lps = list(out.new_token_ids), out.new_logprobs or []
         if len(ids) > 1 and child.stop_checker:
@@ -234,7 +235,7 @@ class OutputProcessor:
             metrics=dict(state.metrics),
         )
         if state.error is not None:
-            out.error = state.error
+            out.error, out.error_kind = state.error, state.error_kind
             out.metrics["error"] = state.error
         return out
 

@@ -31,6 +31,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # Why it failed: "invalid" (the request itself; HTTP 400) or "unavailable" (the serving side
+    # could not run it, e.g. a remote prefill failed under policy `fail`; HTTP 503).
+    error_kind: str = "invalid"
     queue_time: float | None = None  # seconds from arrival to first schedule; on the first tokens only
     # Prefill side of disaggregated serving: the finished request's KV, read out (kv_transfer.KVBlocks).
     kv_blocks: object | None = None
@@ -68,4 +71,5 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    error_kind: str = "invalid"  # see EngineCoreOutput.error_kind
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (monotonic)

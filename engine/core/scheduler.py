@@ -336,7 +336,9 @@ class Scheduler:
             if error is not None:
                 req.status = RequestStatus.FINISHED_ERROR
                 self._free_request(req)
-                self._pending_outputs.append(EngineCoreOutput(request_id, [], finish_reason="error", error=error))
+                self._pending_outputs.append(
+                    EngineCoreOutput(request_id, [], finish_reason="error", error=error, error_kind="unavailable")
+                )
                 return
         else:
             req.num_computed_tokens = load.num_tokens

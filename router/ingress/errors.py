@@ -203,3 +203,8 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # deeper nesting than the parser's stack allows
         raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
+
+
+def error_status(out) -> int:
+    """HTTP status of a request the engine failed (engine.outputs.RequestOutput.error_kind)."""
+    return 503 if getattr(out, "error_kind", "invalid") == "unavailable" else 400

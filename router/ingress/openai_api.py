@@ -16,7 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.ingress.engine_client import EngineClient, new_request_id
-from router.ingress.errors import APIError, parse_body
+from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from router.ingress.streams import collect, merge
@@ -60,7 +60,7 @@ def _usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
 
 def _check_errors(out: RequestOutput) -> None:
     if out.error is not None:
-        raise APIError(400, out.error)
+        raise APIError(error_status(out), out.error)
 
 
 class OpenAIServing:

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from router.ingress.engine_client import EngineClient, new_request_id
-from router.ingress.errors import APIError, parse_body
+from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.streams import collect
 from router.ingress.tgi_models import Details, GenerateParameters, GenerateRequest, StreamDetails, StreamResponse, Token
 
@@ -82,7 +82,7 @@ class TGIServing:
         req, ids, stream = self._start(body, stream=False)
         (out,) = await collect([stream])
         if out.error is not None:
-            raise APIError(400, out.error)
+            raise APIError(error_status(out), out.error)
         c = out.outputs[0]
         text = (req.inputs + c.text) if req.parameters.return_full_text else c.text
         resp: dict = {"generated_text": text}
@@ -117,7 +117,7 @@ class TGIServing:
         async with aclosing(stream):
             async for out in stream:
                 if out.error is not None:
-                    raise APIError(400, out.error)
+                    raise APIError(error_status(out), out.error)
                 c = out.outputs[0]
                 new, lps = c.token_ids_delta or [], c.logprobs_delta or []
                 for k, tid in enumerate(new):

@@ -1,7 +1,9 @@
-"""Faults in disaggregated serving, injected from outside: SIGKILL of the prefill replica's
-process while long prompts are being prefilled there. Every request ends with its full output
-(policy recompute: the decode replica computes what the dead prefill replica did not send), the
-failures are counted, and the decode pool gets every block back."""
+"""Faults in disaggregated serving, injected from outside: transfers that cannot finish in time
+(a second app with a 1 ms transfer budget: policy `fail` answers a clear error, policy
+`recompute` the full output), and SIGKILL of the prefill replica's process while long prompts
+are being prefilled there: every request ends with its full output (the decode replica computes
+what the dead prefill replica did not send), the failures are counted, and the pools get every
+block back."""
 
 from __future__ import annotations
 
@@ -12,10 +14,45 @@ import signal
 import pytest
 
 from engine import SamplingParams
-from tests.disagg.conftest import transfer_counters
+from tests.disagg.conftest import transfer_counters, wait_pools_idle
 from tests.disagg.test_outputs import DOC, _client, _complete
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_failed_transfers_follow_the_policy(pd_cluster, reference_llm, policy):
+    import httpx
+
+    from router.config import AppConfig
+    from tests.serve_cluster import run_app
+
+    url = pd_cluster["url"]
+    cfg = AppConfig(
+        **{
+            **pd_cluster["cfg"].model_dump(include={"dtype", "kv_cache_memory_bytes", "num_threads", "cpus_per_worker"})
+        },
+        prefill_replicas=1,
+        local_prefill_max_tokens=16,
+        kv_transfer_failure=policy,
+        kv_transfer_timeout_s=0.001,
+    )
+    prefix = f"/{policy}"
+    handle = run_app(cfg, f"pd-{policy}", url, route_prefix=prefix)
+    try:
+        prompt = f"Policy {policy}. " + DOC * 2
+        r = httpx.post(f"{url}{prefix}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+        if policy == "fail":
+            assert r.status_code >= 500 and "remote prefill failed" in r.json()["error"]["message"], r.text
+        else:
+            [ref] = reference_llm.generate([prompt], [SamplingParams(max_tokens=12, temperature=0)], use_tqdm=False)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.outputs[0].text
+        assert transfer_counters(f"{url}{prefix}")["kv_transfer_failures"] >= 1
+        asyncio.run(wait_pools_idle(handle))
+    finally:
+        from ray import serve
+
+        serve.delete(f"pd-{policy}")
 
 
 def test_prefill_replica_killed_mid_transfer(pd_cluster, reference_llm):
