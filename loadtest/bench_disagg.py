@@ -18,7 +18,9 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import time
 
 import httpx
 
@@ -56,6 +58,14 @@ def build_workload(n: int, long_share: float, long_tokens: int, seed: int, count
     return specs
 
 
+def wait_healthy(root: str, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{root}/health", timeout=30).status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{root}/health not ok after {timeout:.0f} s")
+        time.sleep(1.0)
+
+
 def transfer_counters(root: str) -> dict[str, float]:
     """The decode side's transfer counters and transfer-time sum from /metrics (0 when absent)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -70,13 +80,29 @@ def transfer_counters(root: str) -> dict[str, float]:
     return out
 
 
-def measure(name: str, a, specs, slo: SLO) -> dict:
-    cmd = f"{sys.executable} -m router.cli serve --port {a.port} --dtype {a.dtype} {CONFIGS[name]} {a.serve_args}"
-    root = f"http://127.0.0.1:{a.port}"
+def wait_gone(root: str, timeout: float = 120.0) -> None:
+    """Until the stopped server's port refuses connections and its Serve replicas have exited
+    (a new server must not share the cores with the old one's leftovers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{root}/health", timeout=2)
+        except httpx.HTTPError:
+            left = subprocess.run(["pgrep", "-f", "ServeReplica:orbital"], capture_output=True, text=True).stdout
+            if not left.strip():
+                return
+        time.sleep(1.0)
+
+
+def measure(name: str, a, specs, slo: SLO, port: int) -> dict:
+    cmd = f"{sys.executable} -m router.cli serve --port {port} --dtype {a.dtype} {CONFIGS[name]} {a.serve_args}"
+    root = f"http://127.0.0.1:{port}"
     with ServerProcess(cmd, root, log_path=os.path.join(a.out_dir, f"{name}.log")):
+        wait_healthy(root)  # /v1/models answers before the engine replicas are up
         before = transfer_counters(root)
         out = run(specs, ClientConfig(base_url=root), Poisson(a.rate, seed=a.seed), progress=False)
         after = transfer_counters(root)
+    wait_gone(root)
     recs = out.records
     agg = aggregate(recs, out.duration_s, slo)
     chat = [r for r in recs if r.success and r.kind == "chat"]
@@ -89,6 +115,8 @@ def measure(name: str, a, specs, slo: SLO) -> dict:
         "ttft_p99": agg["ttft_ms"]["p99"],
         "chat_itl_p50": stats_ms([g for r in chat for g in r.itl])["p50"],
         "chat_itl_p99": stats_ms([g for r in chat for g in r.itl])["p99"],
+        "chat_itl_max": stats_ms([g for r in chat for g in r.itl])["max"],
+        "chat_stalls_over_1s": sum(g > 1.0 for r in chat for g in r.itl),
         "long_ttft_p50": stats_ms([r.ttft for r in longs])["p50"],
         "output_tok_s": agg["output_tok_s"],
         "goodput_req_s": agg["goodput"]["req_s"],
@@ -121,9 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     specs = build_workload(a.requests, a.long_share, a.long_tokens, a.seed, counter)
     slo = SLO(ttft_ms=a.slo_ttft_ms, tpot_ms=a.slo_tpot_ms)
     runs: dict[str, list[dict]] = {k: [] for k in CONFIGS}
+    port = a.port
     for r in range(a.rounds):
         for name in CONFIGS:
-            runs[name].append(measure(name, a, specs, slo))
+            runs[name].append(measure(name, a, specs, slo, port))
+            port += 1
             print(f"round {r + 1} {name}: {json.dumps(runs[name][-1])}", flush=True)
     med = {
         name: {k: statistics.median([x[k] for x in rs if x[k] is not None] or [float("nan")]) for k in rs[0]}
