@@ -9,6 +9,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Sequence
 
+from engine.layers.quant.spec import METHODS
+
 if TYPE_CHECKING:
     from engine.executor import ExecutorFactory
 
@@ -26,7 +28,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only, quantized at load")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(METHODS),
+        help="weight-only: int8, int4[:g32|g64|g128] quantized at load, or gguf (a GGUF's own Q8_0/Q4_0/Q4_1 blocks)",
+    )
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(

@@ -32,8 +32,9 @@ class EngineArgs:
     # Speculative decoding, off by default: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": ..} or "ngram:k" (engine/spec_decode/config.py).
     speculative_config: dict | str | None = None
-    # Weight-only quantization of the linear layers and the LM head at load: "int8" (per output
-    # channel); None keeps the checkpoint's float weights (engine/layers/quant/).
+    # Weight-only quantization of the linear layers and the LM head: "int8" (per output channel)
+    # or "int4" / "int4:g32|g64|g128" (group-wise) quantized at load, "gguf" (a GGUF model's own
+    # Q8_0/Q4_0/Q4_1 blocks); None keeps the checkpoint's float weights (engine/layers/quant/).
     quantization: str | None = None
     # Disaggregated serving (engine/kv_transfer/config.py): {"role": "prefill" | "decode",
     # "local_prefill_max_tokens": n}; None: colocated (this engine prefills and decodes).

@@ -57,7 +57,8 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     served_name: str
-    quantization: str | None = None  # weight-only ("int8"): engine/layers/quant/
+    quantization: str | None = None  # weight-only ("int8", "int4[:gN]", "gguf"): engine/layers/quant/
+    gguf_file: Path | None = None  # quantization="gguf": the file whose blocks are loaded
 
     @property
     def num_layers(self) -> int:
@@ -88,9 +89,14 @@ def build_model_config(
 ) -> ModelConfig:
     from transformers import AutoConfig
 
-    from engine.model.loader import resolve_model_dir
+    from engine.layers.quant import parse_quantization
+    from engine.model.loader import gguf_file_of, resolve_model_dir
 
-    model_dir = resolve_model_dir(model)
+    spec = parse_quantization(quantization)  # refuses unknown settings before any conversion
+    gguf_file = gguf_file_of(model) if spec is not None and spec.method == "gguf" else None
+    if spec is not None and spec.method == "gguf" and gguf_file is None:
+        raise InvalidRequestError(f"quantization='gguf' loads a GGUF file's blocks; {model!r} is not a .gguf file")
+    model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
     cfg = AutoConfig.from_pretrained(model_dir)
     limit = cfg.max_position_embeddings
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
@@ -112,8 +118,6 @@ def build_model_config(
 
     default_name = EMBEDDED_NAME if not model or model == "default" else (Path(model).name or str(model))
     name = served_name or default_name
-    from engine.layers.quant import METHODS
-
-    if quantization is not None and quantization not in METHODS:
-        raise InvalidRequestError(f"quantization must be one of {METHODS} or None, got {quantization!r}")
-    return ModelConfig(model_dir, cfg, resolve_dtype(dtype, device), max_model_len, eos_ids, str(name), quantization)
+    return ModelConfig(
+        model_dir, cfg, resolve_dtype(dtype, device), max_model_len, eos_ids, str(name), quantization, gguf_file
+    )

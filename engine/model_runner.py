@@ -65,6 +65,7 @@ class ModelRunner:
             self.device,
             self.mc.max_model_len,
             self.mc.quantization,
+            self.mc.gguf_file,
         )
         # Fixed for the model's life: whether step metadata needs padded decode buckets.
         self.uses_decode_buckets = self.model.attention_layers()[0].backend.uses_decode_buckets

@@ -20,6 +20,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from engine.layers.quant.spec import METHODS
+
 if TYPE_CHECKING:
     from router.config import AppConfig
 
@@ -117,7 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve without a key on a non-loopback --host (refused otherwise)",
     )
     s.add_argument("--dtype", default=_d("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
-    s.add_argument("--quantization", default=_d("quantization"), choices=["int8"], help="weight-only, at load")
+    s.add_argument(
+        "--quantization",
+        default=_d("quantization"),
+        choices=list(METHODS),
+        help="weight-only: int8, int4[:g32|g64|g128] at load, or gguf (a GGUF's own blocks)",
+    )
     s.add_argument("--device", default=_d("device"))
     s.add_argument(
         "--kv-cache-memory-bytes",

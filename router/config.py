@@ -56,8 +56,10 @@ class AppConfig(BaseModel):
         None, description="Name clients pass as `model` (default: from the path; with `models`: each pool's name)."
     )
     dtype: str = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
-    quantization: Literal["int8"] | None = Field(
-        _E.quantization, description="Weight-only quantization at load (int8: per output channel); None: float."
+    quantization: Literal["int8", "int4", "int4:g32", "int4:g64", "int4:g128", "gguf"] | None = Field(
+        _E.quantization,
+        description="Weight-only quantization: int8 (per output channel) or int4 (group-wise, :gN the group "
+        "size) quantized at load; gguf: a GGUF model's own Q8_0/Q4_0/Q4_1 blocks as they are; None: float.",
     )
     device: str = Field(_E.device, description="cpu | cuda.")
     tensor_parallel_size: int = Field(

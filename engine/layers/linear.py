@@ -15,10 +15,11 @@ from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.quant.int8 import quantize_int8
-from engine.layers.weight_utils import copy_into, narrow
+from engine.layers.quant import quantize_param
+from engine.layers.weight_utils import copy_into, copy_rows_into, narrow
 
 if TYPE_CHECKING:
+    from engine.layers.quant import QuantSpec
     from engine.layers.weight_utils import Weight
 
 
@@ -53,9 +54,9 @@ class ColumnParallelLinear(nn.Module):
         """After loading: the weight in oneDNN's layout (CPU; see packed_gemm)."""
         self.weight = pack_weight(self.weight)
 
-    def quantize_weights(self, method: str) -> None:
+    def quantize_weights(self, spec: QuantSpec) -> None:
         """After loading, instead of packing: this rank's shard quantized (quant/)."""
-        self.weight = quantize_int8(self.weight)
+        self.weight = quantize_param(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -75,7 +76,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             return super().weight_loader(param, w)
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        copy_into(param.data.narrow(0, offset, size), narrow(w, 0, self.tp_rank * size, size))
+        copy_rows_into(param, offset, narrow(w, 0, self.tp_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -114,7 +115,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             kv_index = self.tp_rank // self.kv_replicas
             offset = nq * hd + (0 if shard_id == "k" else nkv * hd)
             size, start = nkv * hd, kv_index * nkv * hd
-        copy_into(param.data.narrow(0, offset, size), narrow(w, 0, start, size))
+        copy_rows_into(param, offset, narrow(w, 0, start, size))
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -144,8 +145,8 @@ class RowParallelLinear(nn.Module):
     def pack_weights(self) -> None:
         self.weight = pack_weight(self.weight)
 
-    def quantize_weights(self, method: str) -> None:
-        self.weight = quantize_int8(self.weight)
+    def quantize_weights(self, spec: QuantSpec) -> None:
+        self.weight = quantize_param(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

@@ -15,10 +15,12 @@ from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.quant.int8 import quantize_int8
-from engine.layers.weight_utils import copy_into, narrow, shape_of
+from engine.layers.quant import is_quantized, quantize_param
+from engine.layers.quant.apply import has_blocks
+from engine.layers.weight_utils import copy_rows_into, narrow, shape_of
 
 if TYPE_CHECKING:
+    from engine.layers.quant import QuantSpec
     from engine.layers.weight_utils import Weight
 
 
@@ -27,7 +29,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         tp = get_tp_group()
         self.tp_size, self.tp_rank = tp.size, tp.rank
-        self.vocab_size = vocab_size
+        self.vocab_size, self.dtype = vocab_size, dtype
         self.per_partition = -(-vocab_size // tp.size)  # ceil: the last shard is padded
         self.start = tp.rank * self.per_partition
         self.end = min(self.start + self.per_partition, vocab_size)
@@ -39,14 +41,27 @@ class VocabParallelEmbedding(nn.Module):
         if rows != self.vocab_size:
             raise ValueError(f"embedding has {rows} rows, config says vocab_size={self.vocab_size}")
         n = self.end - self.start
-        copy_into(param.data.narrow(0, 0, n), narrow(w, 0, self.start, n))
+        copy_rows_into(param, 0, narrow(w, 0, self.start, n))
+
+    def quantize_weights(self, spec: QuantSpec) -> None:
+        """Only a GGUF's own blocks (e.g. a Q8_0 token embedding) stay quantized here: the lookup
+        unpacks the rows it needs. A float embedding stays float."""
+        if has_blocks(self.weight):
+            self.weight = quantize_param(self.weight, spec)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.uint8:
+            from engine.layers.quant.int4 import embedding_int4
+
+            return embedding_int4(self.weight, ids, self.dtype or torch.get_default_dtype())
+        return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         mask = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(mask, 0)
-        out = F.embedding(local, self.weight).masked_fill(mask.unsqueeze(-1), 0)
+        out = self._lookup(local).masked_fill(mask.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 
 
@@ -60,6 +75,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
         self.tied = True
+        self.__dict__["tied_embedding"] = embedding  # not registered: it is model.embed_tokens
 
     def pack_weights(self) -> None:
         """After loading (CPU, see packed_gemm). A tied weight stays plain for the embedding
@@ -71,12 +87,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             self.weight = pack_weight(self.weight)
 
-    def quantize_weights(self, method: str) -> None:
-        """A tied weight stays float for the embedding lookup and the head gets an int8 copy."""
+    def quantize_weights(self, spec: QuantSpec) -> None:
+        """A tied float weight stays float for the embedding lookup and the head gets a quantized
+        copy; a tied GGUF-quantized embedding is the head as it is."""
         if self.tied:
-            self.packed_weight = quantize_int8(self.weight)
+            if is_quantized(self.tied_embedding.weight):
+                self.weight = self.tied_embedding.weight
+            elif not has_blocks(self.weight):
+                q = quantize_param(self.weight, spec)
+                self.packed_weight = q if q is not self.weight else None
         else:
-            self.weight = quantize_int8(self.weight)
+            self.weight = quantize_param(self.weight, spec)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.layers.quant.blocks import BlockQuantized
+
 if TYPE_CHECKING:
     from typing import Protocol
 
@@ -21,15 +23,15 @@ if TYPE_CHECKING:
 
         def __getitem__(self, idx: Any) -> torch.Tensor: ...
 
-    Weight = torch.Tensor | LazySlice  # a checkpoint tensor, loaded or lazy
+    Weight = torch.Tensor | LazySlice | BlockQuantized  # a checkpoint tensor, loaded or lazy, or GGUF blocks
 
 
 def shape_of(w: Weight) -> tuple[int, ...]:
-    return tuple(w.shape) if isinstance(w, torch.Tensor) else tuple(w.get_shape())
+    return tuple(w.shape) if isinstance(w, (torch.Tensor, BlockQuantized)) else tuple(w.get_shape())
 
 
-def narrow(w: Weight, dim: int, start: int, length: int) -> torch.Tensor:
-    if isinstance(w, torch.Tensor):
+def narrow(w: Weight, dim: int, start: int, length: int) -> torch.Tensor | BlockQuantized:
+    if isinstance(w, (torch.Tensor, BlockQuantized)):
         return w.narrow(dim, start, length)
     idx = [slice(None)] * len(shape_of(w))
     idx[dim] = slice(start, start + length)
@@ -40,7 +42,23 @@ def materialize(w: Weight) -> torch.Tensor:
     return w if isinstance(w, torch.Tensor) else w[:]
 
 
+def copy_rows_into(param: torch.Tensor, offset: int, w: Weight) -> None:
+    """Rows [offset, offset + len(w)) of `param` from `w`. GGUF blocks are not turned into floats:
+    they wait on the parameter (`.block_parts`) until the layer packs them (quant/apply.py)."""
+    if isinstance(w, BlockQuantized):
+        n, k = w.shape
+        if k != param.shape[1] or offset + n > param.shape[0]:
+            raise ValueError(f"weight shape {w.shape} does not fit parameter {tuple(param.shape)} at row {offset}")
+        param.__dict__.setdefault("block_parts", []).append((offset, w))
+        return
+    copy_into(param.data.narrow(0, offset, shape_of(w)[0]), w)
+
+
 def copy_into(param: torch.Tensor, w: Weight) -> None:
+    if isinstance(w, BlockQuantized):
+        if w.shape[0] != param.shape[0]:
+            raise ValueError(f"weight shape {w.shape} does not match parameter {tuple(param.shape)}")
+        return copy_rows_into(param, 0, w)
     w = materialize(w)
     if tuple(param.shape) != tuple(w.shape):
         raise ValueError(f"weight shape {tuple(w.shape)} does not match parameter {tuple(param.shape)}")

@@ -21,13 +21,22 @@ if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """Return a local HF directory for `model` (None = the embedded SmolLM2-135M-Instruct)."""
+def gguf_file_of(model: str | None) -> Path | None:
+    """The GGUF file `model` names (None = the embedded one), or None for an HF directory."""
     if model is None or model in ("", "default", EMBEDDED_NAME, f"HuggingFaceTB/{EMBEDDED_NAME}"):
-        return convert_gguf(embedded_gguf_path(), EMBEDDED_NAME)
+        return embedded_gguf_path()
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_model_dir(model: str | None, float_weights: bool = True) -> Path:
+    """Return a local HF directory for `model` (None = the embedded SmolLM2-135M-Instruct).
+    float_weights=False: a GGUF's directory may hold only its config and tokenizer."""
+    gguf = gguf_file_of(model)
+    if gguf is not None:
+        is_embedded = model is None or Path(model).suffix != ".gguf"
+        return convert_gguf(gguf, EMBEDDED_NAME if is_embedded else None, float_weights)
+    path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
@@ -66,26 +75,46 @@ def load_model(
     device: torch.device,
     max_position: int,
     quantization: str | None = None,
+    gguf_file: Path | None = None,
 ) -> LlamaForCausalLM:
-    """`quantization` ("int8"): each rank quantizes its own shards after loading (scales per
-    output channel stay with their rows), instead of packing them."""
+    """`quantization` (quant/spec.py): each rank quantizes its own shards after loading (scales
+    stay with their rows) instead of packing them; "gguf" reads `gguf_file`'s blocks as they are.
+    The quantized shard is saved once (quant_checkpoint.py) and read back on the next start."""
+    from engine.distributed import get_tp_group
+    from engine.layers.quant import parse_quantization
+    from engine.model import quant_checkpoint
     from engine.model.llama import LlamaForCausalLM
 
+    spec = parse_quantization(quantization)
     with torch.device(device):
         model = LlamaForCausalLM(hf_config, max_position=max_position, dtype=dtype)
-    model.load_weights(iterate_weights(model_dir))
-    if quantization is not None:
+    if spec is None:
+        model.load_weights(iterate_weights(model_dir))
+        if packing_enabled(dtype, torch.device(device)):
+            for module in model.modules():
+                if hasattr(module, "pack_weights"):
+                    module.pack_weights()
+        return model.eval()
+    sources = [gguf_file] if spec.method == "gguf" else [Path(f) for f in safetensors_files(model_dir)]
+    tp = get_tp_group()
+    saved = quant_checkpoint.cache_path(sources, str(spec), dtype, tp.rank, tp.size)
+    if saved.is_file():
+        quant_checkpoint.load(model, saved)
+    else:
+        if spec.method == "gguf":
+            from engine.model.gguf_weights import iterate_gguf_weights
+
+            model.load_weights(iterate_gguf_weights(gguf_file, hf_config))
+        else:
+            model.load_weights(iterate_weights(model_dir))
         for module in model.modules():
             if hasattr(module, "quantize_weights"):
-                module.quantize_weights(quantization)
-        if torch.device(device).type == "cpu":
-            from engine.cpu_malloc import release_free_memory
+                module.quantize_weights(spec)
+        quant_checkpoint.save(model, saved)
+    if torch.device(device).type == "cpu":
+        from engine.cpu_malloc import release_free_memory
 
-            release_free_memory()
-    elif packing_enabled(dtype, torch.device(device)):
-        for module in model.modules():
-            if hasattr(module, "pack_weights"):
-                module.pack_weights()
+        release_free_memory()
     return model.eval()
 
 

@@ -1,0 +1,72 @@
+"""Quantized-weight kernels over one decode step's linears of the embedded model (every layer's
+qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights come from
+memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), the int4 kernel
+with float32 and with bfloat16 activations, and dequantize + float32 GEMM. Median ms per step.
+
+    python -m bench.bench_quant_kernels --group 32 --rows 1 4 16 32 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.packed_gemm import linear, pack_weight
+from engine.layers.quant.int4 import dequantize_int4, quantize_int4
+from engine.layers.quant.int8 import int8_linear, quantize_int8
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 32, 64, 128, 256])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # SmolLM2-135M
+    ws = [torch.randn(n, k) * 0.02 for n, k in shapes]
+    packed = [pack_weight(w) for w in ws]
+    i8 = [quantize_int8(w) for w in ws]
+    i4 = [quantize_int4(w, a.group) for w in ws]
+    int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    for m in a.rows:
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        xb = {k: x.bfloat16() for k, x in xs.items()}
+        r = {
+            "f32 packed": _median_ms(
+                lambda: [linear(xs[w.shape[1] if not w.is_mkldnn else k], w) for w, (n, k) in zip(packed, shapes)],
+                a.reps,
+            ),
+            "int8": _median_ms(lambda: [int8_linear(xs[k], w) for w, (n, k) in zip(i8, shapes)], a.reps),
+            "int4 bf16 act": _median_ms(
+                lambda: [int4_mm(xb[k], w, w.group_size, w.scales_zeros_bf16) for w, (n, k) in zip(i4, shapes)], a.reps
+            ),
+        }
+        if m <= 4:
+            r["int4 f32 act"] = _median_ms(
+                lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros) for w, (n, k) in zip(i4, shapes)], 1
+            )
+        if m >= 16:
+            r["dequant+f32"] = _median_ms(
+                lambda: [F.linear(xs[k], dequantize_int4(w)) for w, (n, k) in zip(i4, shapes)], 3
+            )
+        print(f"rows {m}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""A block-quantized checkpoint tensor (a GGUF Q8_0 / Q4_0 / Q4_1 weight, decoded from its bytes
+but not to float): integer values and a float scale and min per block of 32 inputs, so that the
+weight is `q * scale + min`. It slices like a tensor (rows, or whole blocks of columns), so the
+tensor-parallel weight loaders cut it as they cut float weights; the layers then pack it for the
+int4 kernel (int4.py) without a float round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+
+
+@dataclass
+class BlockQuantized:
+    q: torch.Tensor  # [N, K]: uint8 0..15 (bits=4) or int8 (bits=8)
+    scale: torch.Tensor  # [N, K / BLOCK] float32
+    minimum: torch.Tensor  # [N, K / BLOCK] float32
+    bits: int
+    kind: str = ""  # the GGUF type it came from, for messages
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> BlockQuantized:
+        if dim == 1:
+            if start % BLOCK or length % BLOCK:
+                raise ValueError(f"a {self.kind} weight is sliced by whole blocks of {BLOCK} inputs")
+            bs, bl = start // BLOCK, length // BLOCK
+            return BlockQuantized(
+                self.q[:, start : start + length],
+                self.scale[:, bs : bs + bl],
+                self.minimum[:, bs : bs + bl],
+                self.bits,
+                self.kind,
+            )
+        sl = slice(start, start + length)
+        return BlockQuantized(self.q[sl], self.scale[sl], self.minimum[sl], self.bits, self.kind)
+
+    def index_rows(self, rows: torch.Tensor) -> BlockQuantized:
+        return BlockQuantized(self.q[rows], self.scale[rows], self.minimum[rows], self.bits, self.kind)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32, computed as gguf's dequantize computes it (so the values are equal)."""
+        n, k = self.shape
+        q = self.q.float().view(n, k // BLOCK, BLOCK)
+        return (q * self.scale[..., None] + self.minimum[..., None]).view(n, k)
+
+    def as_nibbles(self, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q 0..15, scale, min) for int4.pack_int4; `split` (any 8-bit part in the weight):
+        [hi | lo] halves along the inputs, q = 16 * hi + lo, hi shifted by 8 into 0..15."""
+        if not split:
+            return self.q, self.scale, self.minimum
+        zeros = torch.zeros_like(self.scale)
+        q = self.q.to(torch.int16)
+        hi = torch.div(q, 16, rounding_mode="floor")  # -8..7
+        lo = (q - 16 * hi).to(torch.uint8)
+        scale_hi = 16 * self.scale  # (hi + 8) * 16d - 128d = 16 d hi
+        return (
+            torch.cat([(hi + 8).to(torch.uint8), lo], 1),
+            torch.cat([scale_hi, self.scale], 1),
+            torch.cat([-8 * scale_hi + self.minimum, zeros], 1),
+        )
+
+
+def assemble(parts: list[tuple[int, BlockQuantized]], rows: int) -> BlockQuantized:
+    """Row pieces (offset, block weight) of one parameter -> the whole [rows, K]; rows no piece
+    covers (a padded vocabulary shard) are zeros."""
+    first = parts[0][1]
+    k = first.shape[1]
+    bits = max(p.bits for _, p in parts)
+    dtype = torch.int8 if bits == 8 else torch.uint8
+    q = torch.zeros(rows, k, dtype=dtype)
+    scale = torch.zeros(rows, k // BLOCK)
+    minimum = torch.zeros(rows, k // BLOCK)
+    for off, p in parts:
+        if p.bits != bits:  # a 4-bit piece beside 8-bit ones: as 8-bit q - 8, min + 8 scale
+            p = BlockQuantized(p.q.to(torch.int16).sub(8).to(torch.int8), p.scale, p.minimum + 8 * p.scale, 8, p.kind)
+        n = p.shape[0]
+        q[off : off + n], scale[off : off + n], minimum[off : off + n] = p.q, p.scale, p.minimum
+    return BlockQuantized(q, scale, minimum, bits, first.kind)

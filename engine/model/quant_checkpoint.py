@@ -1,0 +1,90 @@
+"""A rank's quantized weights saved once, so the next start with the same settings skips
+quantizing (or decoding GGUF blocks): safetensors under the cache root, keyed by the source
+weights' identity (paths, sizes, mtimes), the quantization, the dtype and the TP rank/size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.layers.quant import is_quantized
+from engine.model.gguf_convert import cache_root
+
+FORMAT = 1
+_ATTRS = ("scale", "scale_bf16", "scales_zeros", "scales_zeros_bf16")  # tensors that travel with a quantized weight
+_META = ("group_size", "split", "out_features")
+
+
+def cache_path(sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int) -> Path:
+    ident = [FORMAT, quantization, str(dtype), tp_rank, tp_size]
+    for f in sources:
+        st = f.stat()
+        ident.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:20]
+    return (
+        cache_root()
+        / "quantized"
+        / f"{sources[0].stem}-{quantization.replace(':', '-')}-tp{tp_size}r{tp_rank}-{key}.safetensors"
+    )
+
+
+def _slots(model: nn.Module):
+    """(module, attribute, key) of every weight a quantized model holds; a tied head's weight is
+    its embedding's and is skipped (re-tied on load)."""
+    for mname, module in model.named_modules():
+        for attr in ("weight", "bias", "packed_weight"):
+            t = getattr(module, attr, None)
+            if t is None or not isinstance(t, torch.Tensor) or (attr == "weight" and getattr(module, "tied", False)):
+                continue
+            yield module, attr, f"{mname}.{attr}" if mname else attr
+
+
+def save(model: nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    state, meta = {}, {}
+    for module, attr, key in _slots(model):
+        t = getattr(module, attr)
+        state[key] = t.data.contiguous()
+        if is_quantized(t):
+            meta[key] = {a: getattr(t, a) for a in _META if hasattr(t, a)}
+            for a in _ATTRS:
+                if getattr(t, a, None) is not None:
+                    state[f"{key}.{a}"] = getattr(t, a).contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file(state, str(tmp), metadata={"orbital_quantized": json.dumps(meta)})
+    os.replace(tmp, path)
+
+
+def load(model: nn.Module, path: Path) -> None:
+    """Fill a freshly built (unloaded) model from `save`'s file."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["orbital_quantized"])
+        keys = set(f.keys())
+        for mname, module in list(model.named_modules()):
+            for attr in ("weight", "bias", "packed_weight"):
+                key = f"{mname}.{attr}" if mname else attr
+                if key not in keys:
+                    continue
+                t = f.get_tensor(key)
+                if key in meta:
+                    p = nn.Parameter(t, requires_grad=False)
+                    for a in _ATTRS:
+                        setattr(p, a, f.get_tensor(f"{key}.{a}") if f"{key}.{a}" in keys else None)
+                    for a, v in meta[key].items():
+                        setattr(p, a, v)
+                    setattr(module, attr, p)
+                else:
+                    getattr(module, attr).data = t
+    head = getattr(model, "lm_head", None)
+    if head is not None and head.tied:
+        head.weight = head.tied_embedding.weight
