@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--spec", nargs="+", default=["ngram:4"], help="modes to compare with off (see above)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "mixed"], choices=["grounded", "mixed"])
     ap.add_argument("--grounded-output", type=int, default=96)
     ap.add_argument("--mixed-output", type=int, default=64)
     a = ap.parse_args()
@@ -134,7 +135,8 @@ def main() -> None:
     }
     print("| workload | conc | mode | tok/s | TPOT p50 ms | accept rate | mean acc len | vs off |")
     print("|---|---|---|---|---|---|---|---|")
-    for load, (make, sp) in loads.items():
+    for load in a.workloads:
+        make, sp = loads[load]
         for c in a.concurrency:
             prompts = make(c)
             res = {}

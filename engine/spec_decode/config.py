@@ -21,7 +21,9 @@ class SpeculativeConfig:
     adaptive: bool = True  # k from measured acceptance and the verify-step cost model
     model: str | None = None  # draft: a local HF directory or .gguf file (never downloaded)
     draft_layers: int | None = None  # self: the target's first N layers + its final norm and LM head
-    draft_quantization: str | None = None  # self/draft: the draft's weights quantized ("int8")
+    # self/draft: the draft's weights quantized. "self" without draft_layers defaults to "int8"
+    # (measured: the first layers alone rarely agree with the whole model; README).
+    draft_quantization: str | None = None
     draft_num_blocks: int | None = None  # the draft's own KV pool (None: as many blocks as the target's)
 
     def __post_init__(self) -> None:
@@ -42,6 +44,8 @@ class SpeculativeConfig:
             raise InvalidRequestError('"draft_layers" (>= 1) is for method "self"')
         if self.draft_quantization is not None and self.method == "ngram":
             raise InvalidRequestError('"draft_quantization" is for methods "draft" and "self"')
+        if self.method == "self" and self.draft_layers is None and self.draft_quantization is None:
+            object.__setattr__(self, "draft_quantization", "int8")
         if self.draft_num_blocks is not None and self.draft_num_blocks < 2:
             raise InvalidRequestError(f"draft_num_blocks must be >= 2, got {self.draft_num_blocks}")
 

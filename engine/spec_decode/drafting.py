@@ -82,7 +82,9 @@ class Drafting:
     def _propose_with_model(self, running: list[Request], b: int, prefill: int) -> dict[str, list[int]]:
         """k first (the policy counts the draft model's time), then the draft model runs."""
         k_max, max_len = self.spec.num_speculative_tokens, self.config.max_model_len
-        prior = self._acceptance_all.rate(0.5)
+        # Optimistic until measured: drafting must start for its acceptance to be learnt, and
+        # a draft model pays only at high acceptance (the first verifications correct this).
+        prior = self._acceptance_all.rate(0.9)
         cands, rooms, rates, catchup, amortized = [], [], [], [], []
         for r in running:
             room = min(k_max, r.max_tokens - r.num_output_tokens - 1, max_len - r.num_tokens - 1)

@@ -90,8 +90,9 @@ def test_greedy_identical_with_prefix_hits(name, reference, smollm_dir, tiny_dra
                             assert la.token_id == lb.token_id and la.logprob == pytest.approx(lb.logprob, abs=1e-4)
         s = llm.stats()
         assert s["spec_num_draft_tokens"] > 0
-        if name == "target-as-draft":  # the target's own greedy tokens: all accepted
-            assert s["spec_num_accepted_tokens"] == s["spec_num_draft_tokens"]
+        if name == "target-as-draft":  # the target's greedy tokens: accepted but where penalties
+            # or min_tokens change the target's choice (the draft proposes plain argmax)
+            assert s["spec_num_accepted_tokens"] >= 0.85 * s["spec_num_draft_tokens"]
         _check_pool(llm, got)
         _draft_pool_empty(llm)
     finally:
