@@ -9,25 +9,31 @@ import json
 import httpx
 import pytest
 
-from engine import SamplingParams
+from engine import LLM, SamplingParams
 from tests.router.conftest import BASE, metrics
-from tests.serve_cluster import run_app
+from tests.serve_cluster import local_serve, run_app
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,"]
 
 
 @pytest.fixture(scope="module")
-def spec_url(serve_cluster):
-    from ray import serve
-
+def spec_url():
+    """One app, one engine replica, on its own local Ray + Serve (shut down after)."""
+    pytest.importorskip("ray")
     from router.config import AppConfig
 
     spec = {"method": "self", "draft_layers": 8, "num_speculative_tokens": 3, "adaptive": False}
-    cfg = AppConfig(**BASE, num_replicas=1, speculative=spec)
-    run_app(cfg, "spec", serve_cluster["url"], route_prefix="/spec")
-    yield f"{serve_cluster['url']}/spec"
-    serve.delete("spec")
+    with local_serve(num_cpus=4) as url:
+        run_app(AppConfig(**BASE, num_replicas=1, speculative=spec), "spec", url)
+        yield url
+
+
+@pytest.fixture(scope="module")
+def offline_llm():
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1)
+    yield llm
+    llm.shutdown()
 
 
 def test_greedy_text_equals_offline_and_metrics_count_drafts(spec_url, offline_llm):
