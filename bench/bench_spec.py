@@ -1,4 +1,4 @@
-"""Speculative decoding (n-gram) vs off: same model, same cores, one run.
+"""Speculative decoding (n-gram, draft model, self-drafting) vs off: same model, same cores, one run.
 
 At concurrency 1, 4, 16, 64 (closed loop: a finished request is replaced at once) on
 (a) input-grounded prompts: summarise / edit / quote a passage given in the prompt (built here,
@@ -9,11 +9,17 @@ so tokens/s compares like with like. Reports output tokens/s, TPOT p50 (per requ
 
     python -m bench.bench_spec                       # the README table
     python -m bench.bench_spec --concurrency 1 4 --spec ngram:3
+    python -m bench.bench_spec --spec ngram:4 'self:4:{"draft_quantization": "int8"}' \
+        'self:4:{"draft_layers": 10}' draft:4:target
+
+A mode is `method:k`, then optionally `:` and a draft model path ("target": the target itself,
+which accepts every greedy draft) or `:` and a JSON object of further speculative_config keys.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import time
@@ -86,23 +92,37 @@ def run(llm: LLM, prompts: list[list[int]], sp: SamplingParams, concurrency: int
     }
 
 
+def spec_config(mode: str, target: str) -> dict:
+    """`method:k[:model path | "target" | JSON of more keys]` -> a speculative_config dict."""
+    method, k, extra = (mode.split(":", 2) + ["", ""])[:3]
+    cfg = {"method": method, "num_speculative_tokens": int(k or 3)}
+    if extra.startswith("{"):
+        cfg.update(json.loads(extra))
+    elif extra:
+        cfg["model"] = target if extra == "target" else extra
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--spec", default="ngram:4", help="method:k, as orbital serve --speculative")
+    ap.add_argument("--spec", nargs="+", default=["ngram:4"], help="modes to compare with off (see above)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--workloads", nargs="+", default=["grounded", "mixed"], choices=["grounded", "mixed"])
     ap.add_argument("--grounded-output", type=int, default=96)
     ap.add_argument("--mixed-output", type=int, default=64)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     common = dict(dtype=a.dtype, num_threads=a.threads, max_model_len=2048, max_num_seqs=max(a.concurrency))
     engines = {"off": LLM(a.model, **common)}
-    t = time.perf_counter()
-    engines[a.spec] = LLM(a.model, speculative_config=a.spec, **common)
-    print(f"spec engine start-up incl. verify-cost measurement: {time.perf_counter() - t:.1f} s")
     llm0 = engines["off"]
+    target = str(llm0.engine.model_config.model_dir)
+    for mode in a.spec:
+        t = time.perf_counter()
+        engines[mode] = LLM(a.model, speculative_config=spec_config(mode, target), **common)
+        print(f"{mode}: start-up incl. verify/draft cost measurement {time.perf_counter() - t:.1f} s", flush=True)
     loads = {
         "grounded": (
             lambda c: grounded_prompts(llm0, min(max(4, 2 * c), 64)),
@@ -115,7 +135,8 @@ def main() -> None:
     }
     print("| workload | conc | mode | tok/s | TPOT p50 ms | accept rate | mean acc len | vs off |")
     print("|---|---|---|---|---|---|---|---|")
-    for load, (make, sp) in loads.items():
+    for load in a.workloads:
+        make, sp = loads[load]
         for c in a.concurrency:
             prompts = make(c)
             res = {}
@@ -129,7 +150,8 @@ def main() -> None:
                     f"| {load} | {c} | {mode} | {r['tok_s']:.1f} | {r['tpot_ms']:.1f} | {spec_cols} | {ratio:.2f}x |",
                     flush=True,
                 )
-            assert res["off"]["tokens"] == res[a.spec]["tokens"], "spec changed the output"
+            for mode in a.spec:
+                assert res["off"]["tokens"] == res[mode]["tokens"], f"{mode} changed the output"
     for llm in engines.values():
         llm.shutdown()
 

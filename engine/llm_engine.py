@@ -63,7 +63,14 @@ class LLMEngine:
             min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0,
         )
         spec = SpeculativeConfig.from_value(args.speculative_config)
-        self.core = EngineCore(sched, cache, executor, spec, KVTransferConfig.from_value(args.kv_transfer_config))
+        draft = None
+        if spec is not None and spec.uses_draft_model:
+            from engine.spec_decode.draft_source import build_draft_proposer
+
+            draft = build_draft_proposer(spec, self.model_config, cache, args.max_num_seqs, args.device, executor)
+        self.core = EngineCore(
+            sched, cache, executor, spec, KVTransferConfig.from_value(args.kv_transfer_config), draft
+        )
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.model_dir)

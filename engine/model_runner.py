@@ -57,15 +57,20 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_step_memory()  # step activations reuse heap memory instead of fresh page faults
 
-    def load_model(self) -> None:
-        self.model = load_model(
-            self.mc.model_dir,
-            self.mc.hf_config,
-            self.mc.dtype,
-            self.device,
-            self.mc.max_model_len,
-            self.mc.quantization,
-            self.mc.gguf_file,
+    def load_model(self, model: torch.nn.Module | None = None) -> None:
+        """`model`: one built already (a speculative draft sharing the target's weights)."""
+        self.model = (
+            model
+            if model is not None
+            else load_model(
+                self.mc.model_dir,
+                self.mc.hf_config,
+                self.mc.dtype,
+                self.device,
+                self.mc.max_model_len,
+                self.mc.quantization,
+                self.mc.gguf_file,
+            )
         )
         # Fixed for the model's life: whether step metadata needs padded decode buckets.
         self.uses_decode_buckets = self.model.attention_layers()[0].backend.uses_decode_buckets

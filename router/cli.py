@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--speculative",
         default=_d("speculative"),
-        help="speculative decoding, method:k (e.g. ngram:4; draft length adapts per request and load)",
+        help="speculative decoding: ngram:k, self:k (the model's own weights in int8 as draft) or "
+        "draft:k:/local/draft-model (draft length adapts per request and load)",
     )
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")

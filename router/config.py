@@ -82,8 +82,9 @@ class AppConfig(BaseModel):
     enable_prefix_caching: bool = _E.enable_prefix_caching
     speculative: str | dict | None = Field(
         _E.speculative_config,
-        description="Speculative decoding: 'ngram:k' or {method, num_speculative_tokens, prompt_lookup_min, "
-        "prompt_lookup_max} (None = off).",
+        description="Speculative decoding: 'ngram:k', 'self:k', 'draft:k:/local/model' or {method (ngram, draft, "
+        "self), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, draft_layers, "
+        "draft_quantization, draft_num_blocks} (None = off).",
     )
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEventLog
@@ -18,6 +18,9 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_length import StepCostModel
 from engine.stats import EngineStats
 
+if TYPE_CHECKING:
+    from engine.spec_decode.draft_model import DraftModelProposer
+
 
 class EngineCore:
     def __init__(
@@ -27,6 +30,7 @@ class EngineCore:
         executor: Executor,
         spec_config: SpeculativeConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        draft_model: DraftModelProposer | None = None,
     ) -> None:
         self.executor = executor
         cost = None
@@ -34,7 +38,9 @@ class EngineCore:
             # The verify step's cost on this machine, before any request uses the KV pool.
             table = executor.measure_step_costs(scheduler_config.max_num_seqs, spec_config.num_speculative_tokens)
             cost = StepCostModel(table) if table else None
-        self.scheduler = Scheduler(scheduler_config, cache_config, executor.num_blocks, spec_config, cost, kv_transfer)
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, executor.num_blocks, spec_config, cost, kv_transfer, draft_model
+        )
         self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
 

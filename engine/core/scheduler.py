@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager, cdiv
@@ -29,6 +29,9 @@ from engine.spec_decode.draft_length import StepCostModel
 from engine.spec_decode.drafting import Drafting
 from engine.stats import EngineStats
 
+if TYPE_CHECKING:
+    from engine.spec_decode.draft_model import DraftModelProposer
+
 
 class Scheduler:
     def __init__(
@@ -39,6 +42,7 @@ class Scheduler:
         spec_config: SpeculativeConfig | None = None,
         step_cost: StepCostModel | None = None,
         kv_transfer: KVTransferConfig | None = None,
+        draft_model: DraftModelProposer | None = None,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -54,7 +58,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         # Speculative decoding (None: off).
-        self.drafting = Drafting(spec_config, scheduler_config, step_cost) if spec_config is not None else None
+        self.drafting = (
+            Drafting(spec_config, scheduler_config, step_cost, draft_model) if spec_config is not None else None
+        )
         self._truncated: dict[str, int] = {}  # block tables cut since the last schedule()
         # Disaggregated serving (None: colocated). Decode side: requests waiting for remote KV.
         # Prefill side: finished requests whose blocks are read out before they are freed.
@@ -159,6 +165,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv_cache_manager.free(req)
         self._truncated.pop(req.request_id, None)
+        if self.drafting is not None:
+            self.drafting.release(req.request_id)
         self._prompt_logprobs.pop(req.request_id, None)  # recomputed from scratch
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

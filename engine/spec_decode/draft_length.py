@@ -76,12 +76,70 @@ class AcceptanceCounts:
         return (self.accepted + _PRIOR_WEIGHT * prior) / (self.accepted + self.rejected + _PRIOR_WEIGHT)
 
 
+class DraftCost:
+    """Seconds a draft model takes to propose: its first step computes each row's unseen tokens
+    (`catchup`), every later step one token for the rows that still want more drafts. Kept
+    incrementally as rows get one more draft each, as the policy's search adds them."""
+
+    def __init__(self, cost: StepCostModel, catchup: list[float]) -> None:
+        self.cost, self.catchup = cost, catchup
+        self.ks = [0] * len(catchup)
+        self.rows: list[int] = [0]  # rows[j]: rows with more than j drafts
+        self.first_tokens = 0.0
+        self.seconds = 0.0
+
+    def _step(self, j: int) -> float:
+        if not self.rows[j]:
+            return 0.0
+        if j == 0:
+            return self.cost.cost(self.rows[0], self.first_tokens / self.rows[0] - 1)
+        return self.cost.cost(self.rows[j], 0)
+
+    def add(self, i: int) -> float:
+        """Row i gets one more draft; returns the new total."""
+        j = self.ks[i]
+        self.ks[i] += 1
+        if j == len(self.rows):
+            self.rows.append(0)
+        self.seconds -= self._step(j)
+        self.rows[j] += 1
+        if j == 0:
+            self.first_tokens += self.catchup[i]
+        self.seconds += self._step(j)
+        return self.seconds
+
+
 class DraftLengthPolicy:
-    def __init__(self, k_max: int, cost: StepCostModel, adaptive: bool = True) -> None:
+    def __init__(
+        self, k_max: int, cost: StepCostModel, adaptive: bool = True, draft_cost: StepCostModel | None = None
+    ) -> None:
         self.k_max, self.cost, self.adaptive = k_max, cost, adaptive
-        # Online correction of the start-up table by real decode-only steps (contexts, kernels
-        # and load differ from the measurement): observed / predicted, with and without drafts.
-        self._ratio_plain = self._ratio_spec = 1.0
+        self.draft_cost = draft_cost  # a draft model's proposing time (None: proposals are ~free)
+        # Online correction of the start-up tables by real decode-only steps (contexts, kernels
+        # and load differ from the measurement): observed / predicted, with and without drafts,
+        # and of the draft model's proposing time.
+        self._ratio_plain = self._ratio_spec = self._ratio_draft = 1.0
+
+    def _draft_seconds(self, b: int, k: int) -> float:
+        """b rows, k drafts each, two unseen tokens per row (the usual accepted + bonus)."""
+        if self.draft_cost is None:
+            return 0.0
+        return self._ratio_draft * (self.draft_cost.cost(b, 1) + (k - 1) * self.draft_cost.cost(b, 0))
+
+    def predicted_draft_seconds(self, ks: list[int], catchup: list[float]) -> float:
+        if self.draft_cost is None:
+            return 0.0
+        dc = DraftCost(self.draft_cost, catchup)
+        for i, k in enumerate(ks):
+            for _ in range(k):
+                dc.add(i)
+        return dc.seconds
+
+    def observe_draft(self, predicted: float, seconds: float) -> None:
+        """A draft model's proposing took `seconds` where the uncorrected table said `predicted`."""
+        if predicted > 0:
+            r = min(max(seconds / predicted, 0.25), 4.0)
+            self._ratio_draft += _EMA * (r - self._ratio_draft)
 
     def _cost(self, b: int, k: float) -> float:
         return self.cost.cost(b, k) * (self._ratio_spec if k > 0 else self._ratio_plain)
@@ -101,12 +159,16 @@ class DraftLengthPolicy:
         # Prompt tokens are work the step does too: drafts that slow them down must pay for it.
         base = (b + prefill) / self._cost(b, prefill / b)
         return any(
-            (b + prefill + b * k) / self._cost(b, k + prefill / b) > _MARGIN * base for k in range(1, self.k_max + 1)
+            (b + prefill + b * k) / (self._cost(b, k + prefill / b) + self._draft_seconds(b, k)) > _MARGIN * base
+            for k in range(1, self.k_max + 1)
         )
 
-    def choose(self, b: int, rates: list[float], available: list[int], prefill: int = 0) -> list[int]:
+    def choose(
+        self, b: int, rates: list[float], available: list[int], prefill: int = 0, catchup: list[float] | None = None
+    ) -> list[int]:
         """k per candidate row (b rows in the step, `prefill` more prompt tokens expected in it;
-        `available[i]` drafts proposed for row i)."""
+        `available[i]` drafts proposed, or allowed, for row i; `catchup[i]` the tokens a draft
+        model would first have to compute for row i)."""
         if not self.adaptive:
             return [min(self.k_max, a) for a in available]
         gains = sorted(
@@ -115,9 +177,13 @@ class DraftLengthPolicy:
         )
         base = (b + prefill) / self._cost(b, prefill / b)
         best, best_k, total = _MARGIN * base, 0, float(b + prefill)
-        for n, (g, _) in enumerate(gains, start=1):
+        draft = None if self.draft_cost is None else DraftCost(self.draft_cost, catchup or [2] * len(rates))
+        for n, (g, i) in enumerate(gains, start=1):
             total += g
-            thr = total / self._cost(b, (prefill + n) / b)
+            seconds = self._cost(b, (prefill + n) / b)
+            if draft is not None:
+                seconds += self._ratio_draft * draft.add(i)
+            thr = total / seconds
             if thr > best:
                 best, best_k = thr, n
         ks = [0] * len(rates)

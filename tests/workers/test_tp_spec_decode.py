@@ -39,3 +39,26 @@ def test_tp3_speculative_equals_tp1_without(ray_local):
         llm.shutdown()
     assert got == expected and again == expected
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_tp3_with_self_drafting_equals_tp1_without(ray_local):
+    """The draft (the target's first 8 layers, loaded at tp=1 in the engine's process, since
+    the target's weights are sharded over three processes) proposes; the tp=3 target verifies."""
+    params = SamplingParams(temperature=0, max_tokens=24)
+    base = EngineLLM(**ARGS)
+    try:
+        expected = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        base.shutdown()
+    spec = {"method": "self", "draft_layers": 8, "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(tensor_parallel_size=3, speculative_config=spec, **ARGS)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]  # cache hits
+        stats = llm.stats()
+        draft = llm.engine.core.scheduler.drafting.draft_model
+        assert stats["blocks_used"] == 0 and draft.num_blocks_used() == 0
+    finally:
+        llm.shutdown()
+    assert got == expected and again == expected
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
