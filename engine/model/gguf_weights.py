@@ -75,7 +75,7 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def iterate_gguf_weights(path: str | Path, hf_config, keep_blocks: bool = True) -> Iterator[tuple[str, object]]:
+def iterate_gguf_weights(path: str | Path, hf_config: object, keep_blocks: bool = True) -> Iterator[tuple[str, object]]:
     """Yield (HF name, float32 tensor or BlockQuantized). keep_blocks=False: every tensor as
     float32 (still one at a time)."""
     from gguf import GGUFReader

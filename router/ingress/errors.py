@@ -205,6 +205,6 @@ async def read_json(request: Request, limit: int) -> Any:
         raise APIError(400, "the request body is not valid JSON: nested too deeply") from None
 
 
-def error_status(out) -> int:
+def error_status(out: object) -> int:
     """HTTP status of a request the engine failed (engine.outputs.RequestOutput.error_kind)."""
     return 503 if getattr(out, "error_kind", "invalid") == "unavailable" else 400

@@ -18,7 +18,9 @@ from torch import nn
 PACK_ROWS = 64  # the CPU pack interleaves blocks of 64 output rows (see unpack_nibbles)
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int, split: bool = False):
+def pack_int4(
+    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int, split: bool = False
+) -> nn.Parameter:
     """q: [N, K'] integers 0..15; scale, minimum: float [N, K' / group_size]. Returns the
     kernel's parameter: packed uint8 [N, K' / 2] with `.scales_zeros` ([K'/g, N, 2] float32),
     `.group_size` and `.split` (K' = 2 * in_features: the two nibbles of 8-bit values)."""
@@ -66,7 +68,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return q.transpose(1, 2).reshape(n, k)
 
 
-def dequantize_packed(packed, scales_zeros, group_size: int, split: bool, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_packed(
+    packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
+) -> torch.Tensor:
     """Packed nibbles and their [K'/g, N, 2] scales/zeros -> the float weight [N, in_features]."""
     q = unpack_nibbles(packed).float()
     n, k = q.shape
