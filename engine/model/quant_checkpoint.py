@@ -16,9 +16,9 @@ from torch import nn
 from engine.layers.quant import is_quantized
 from engine.model.gguf_convert import cache_root
 
-FORMAT = 2  # bump when what a quantization produces changes
+FORMAT = 1
 _ATTRS = ("scale", "scale_bf16", "scales_zeros", "scales_zeros_bf16")  # tensors that travel with a quantized weight
-_META = ("group_size", "two_nibbles", "out_features")
+_META = ("group_size", "split", "out_features")
 
 
 def cache_path(sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int) -> Path:
@@ -53,9 +53,9 @@ def save(model: nn.Module, path: Path) -> None:
         t = getattr(module, attr)
         state[key] = t.data.contiguous()
         if is_quantized(t):
-            meta[key] = {a: t.__dict__[a] for a in _META if a in t.__dict__}
+            meta[key] = {a: getattr(t, a) for a in _META if hasattr(t, a)}
             for a in _ATTRS:
-                if t.__dict__.get(a) is not None:
+                if getattr(t, a, None) is not None:
                     state[f"{key}.{a}"] = getattr(t, a).contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
