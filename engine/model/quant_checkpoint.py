@@ -53,7 +53,7 @@ def save(model: nn.Module, path: Path) -> None:
         t = getattr(module, attr)
         state[key] = t.data.contiguous()
         if is_quantized(t):
-            meta[key] = {a: getattr(t, a) for a in _META if hasattr(t, a)}
+            meta[key] = {a: t.__dict__[a] for a in _META if a in t.__dict__}  # not Tensor.split, the method
             for a in _ATTRS:
                 if getattr(t, a, None) is not None:
                     state[f"{key}.{a}"] = getattr(t, a).contiguous()
