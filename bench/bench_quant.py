@@ -1,5 +1,7 @@
-"""Weight formats side by side: float32, bfloat16 and int8 weights (float32 and bfloat16
-activations) on the embedded model. Each configuration runs in its own process (so resident
+"""Weight formats side by side on the embedded model: float32, bfloat16, int8 (float32 and
+bfloat16 activations), int4 quantized at load (group 32 and 128) and the GGUF's own Q4_1 blocks
+(its Q8_0 tied embedding/head included) loaded as they are; the quantized ones start from their
+saved quantized checkpoint (a warm-up start writes it). Each configuration runs in its own process (so resident
 memory is its own), in interleaved rounds; medians of the rounds are printed.
 
     python -m bench.bench_quant --rounds 3
@@ -25,6 +27,9 @@ CONFIGS = {
     "bfloat16": dict(dtype="bfloat16"),
     "int8 (f32 act)": dict(dtype="float32", quantization="int8"),
     "int8 (bf16 act)": dict(dtype="bfloat16", quantization="int8"),
+    "int4 g32": dict(dtype="float32", quantization="int4:g32"),
+    "int4 g128": dict(dtype="float32", quantization="int4:g128"),
+    "GGUF Q4_1 as loaded": dict(dtype="float32", quantization="gguf"),
 }
 
 
@@ -84,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(a.one, a.c1_tokens, a.requests, a.threads)))
         return 0
     runs: dict[str, list[dict]] = {c: [] for c in a.configs}
+    for c in a.configs:  # the first start of a quantized configuration saves its checkpoint
+        if "quantization" in CONFIGS[c]:
+            subprocess.run(
+                [sys.executable, "-m", "bench.bench_quant", "--one", c, "--c1-tokens", "4", "--requests", "1"],
+                capture_output=True,
+                check=True,
+            )
     for r in range(a.rounds):
         for c in a.configs:
             cmd = [sys.executable, "-m", "bench.bench_quant", "--one", c, "--c1-tokens", str(a.c1_tokens)]

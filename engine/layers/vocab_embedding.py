@@ -15,12 +15,11 @@ from torch import nn
 
 from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.quant import is_quantized, quantize_param
+from engine.layers.quant import QuantSpec, is_quantized, quantize_param
 from engine.layers.quant.apply import has_blocks
 from engine.layers.weight_utils import copy_rows_into, narrow, shape_of
 
 if TYPE_CHECKING:
-    from engine.layers.quant import QuantSpec
     from engine.layers.weight_utils import Weight
 
 
@@ -89,7 +88,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def quantize_weights(self, spec: QuantSpec) -> None:
         """A tied float weight stays float for the embedding lookup and the head gets a quantized
-        copy; a tied GGUF-quantized embedding is the head as it is."""
+        copy; a tied GGUF-quantized embedding is the head as it is. With int4 the head is int8:
+        as llama.cpp's 4-bit files keep it at 8 bits (SmolLM2, int4:g32: perplexity +5.3% with
+        an int4 head)."""
+        if spec.method == "int4":
+            spec = QuantSpec("int8")
         if self.tied:
             if is_quantized(self.tied_embedding.weight):
                 self.weight = self.tied_embedding.weight

@@ -16,9 +16,9 @@ from torch import nn
 from engine.layers.quant import is_quantized
 from engine.model.gguf_convert import cache_root
 
-FORMAT = 1
+FORMAT = 2  # bump when what a quantization produces changes
 _ATTRS = ("scale", "scale_bf16", "scales_zeros", "scales_zeros_bf16")  # tensors that travel with a quantized weight
-_META = ("group_size", "split", "out_features")
+_META = ("group_size", "two_nibbles", "out_features")
 
 
 def cache_path(sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int) -> Path:
@@ -53,9 +53,9 @@ def save(model: nn.Module, path: Path) -> None:
         t = getattr(module, attr)
         state[key] = t.data.contiguous()
         if is_quantized(t):
-            meta[key] = {a: t.__dict__[a] for a in _META if a in t.__dict__}  # not Tensor.split, the method
+            meta[key] = {a: t.__dict__[a] for a in _META if a in t.__dict__}
             for a in _ATTRS:
-                if getattr(t, a, None) is not None:
+                if t.__dict__.get(a) is not None:
                     state[f"{key}.{a}"] = getattr(t, a).contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -75,11 +75,13 @@ def load(model: nn.Module, path: Path) -> None:
                 key = f"{mname}.{attr}" if mname else attr
                 if key not in keys:
                     continue
-                t = f.get_tensor(key)
+                # Copies: the file's tensors map it at any offset, and the kernels met unaligned
+                # weights with a segfault (a test did, at an offset of 40 bytes).
+                t = f.get_tensor(key).clone()
                 if key in meta:
                     p = nn.Parameter(t, requires_grad=False)
                     for a in _ATTRS:
-                        setattr(p, a, f.get_tensor(f"{key}.{a}") if f"{key}.{a}" in keys else None)
+                        setattr(p, a, f.get_tensor(f"{key}.{a}").clone() if f"{key}.{a}" in keys else None)
                     for a, v in meta[key].items():
                         setattr(p, a, v)
                     setattr(module, attr, p)

@@ -1,0 +1,44 @@
+"""Quantized weights at tp=3 (SmolLM2: 9 heads, 3 KV heads): each rank quantizes (or decodes
+from the GGUF) its own shards with their scales; int4 groups and GGUF blocks of 32 fall inside a
+row-parallel shard (576 / 3 = 192, 1536 / 3 = 512 inputs), so every rank holds exactly tp=1's
+values for its rows. Greedy tokens equal tp=1's, with prefix-cache hits; weights ~1/3 per rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from engine.model.loader import parameter_bytes
+from workers import LLM
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "The capital of France is a city where"]
+ARGS = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=16 << 20, enable_prefix_caching=True, num_threads=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["int4:g32", "gguf"])
+def test_quantized_tp3_matches_tp1(ray_local, smollm_tokenizer, quantization):
+    ids = [{"prompt_token_ids": smollm_tokenizer(p).input_ids} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    def run(llm):
+        outs = llm.generate(ids[0], params, use_tqdm=False)  # caches the prefix the third shares
+        outs += llm.generate(ids[1:], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    tp1 = LLM(quantization=quantization, **ARGS)
+    try:
+        expected = run(tp1)
+        full = parameter_bytes(tp1.engine.core.executor.runner.model)
+    finally:
+        tp1.shutdown()
+    llm = LLM(quantization=quantization, tensor_parallel_size=3, **ARGS)
+    try:
+        got = run(llm)
+        stats, info = llm.stats(), llm.engine.core.executor.worker_info()
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0, stats
+    for i in info:
+        assert abs(i["param_bytes"] - full / 3) / full < 0.05, (i["param_bytes"], full)
