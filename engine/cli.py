@@ -34,6 +34,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         choices=list(METHODS),
         help="weight-only: int8, int4[:g32|g64|g128] quantized at load, or gguf (a GGUF's own Q8_0/Q4_0/Q4_1 blocks)",
     )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="KV cache storage")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
@@ -76,6 +77,7 @@ def main(
             executor_factory=executor_factory or in_process_executor,
             dtype=args.dtype,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,

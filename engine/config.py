@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
+from engine.layers.attention.kv_int8 import check_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -19,8 +20,10 @@ class CacheConfig:
     # memory (None: use kv_cache_memory_bytes). The dummy step has profile_num_tokens tokens.
     gpu_memory_utilization: float | None = None
     profile_num_tokens: int = EngineArgs.max_num_batched_tokens
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype  # "auto" (the model's dtype) or "int8"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

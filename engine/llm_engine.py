@@ -50,6 +50,7 @@ class LLMEngine:
             args.num_blocks,
             args.gpu_memory_utilization if on_gpu else None,
             args.max_num_batched_tokens,
+            args.kv_cache_dtype,
         )
         sched = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len, args.scheduling_policy

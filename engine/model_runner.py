@@ -15,10 +15,12 @@ from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group, tp_max
+from engine.errors import InvalidRequestError
 from engine.forward_context import forward_context
 from engine.kv_memory import allocate_kv_caches
 from engine.kv_transfer.block_io import head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
+from engine.layers.attention.kv_int8 import cache_storage_dtype, row_width
 from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
@@ -80,14 +82,24 @@ class ModelRunner:
     def num_kv_heads_local(self) -> int:
         return self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
 
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        return cache_storage_dtype(self.cc.kv_cache_dtype, self.mc.dtype)
+
     def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.mc.dtype).element_size()
-        return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * self.mc.head_dim * elem
+        """Real bytes: an int8 cache's rows carry their scales (kv_int8.py)."""
+        elem = torch.tensor([], dtype=self.kv_storage_dtype).element_size()
+        width = row_width(self.cc.kv_cache_dtype, self.mc.head_dim)
+        return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * width * elem
 
     def kv_layout(self) -> KVLayout:
         """Over all ranks: every KV head of the model, whatever this rank holds."""
         return KVLayout(
-            self.mc.num_layers, self.mc.num_kv_heads, self.mc.head_dim, self.cc.block_size, str(self.mc.dtype)[6:]
+            self.mc.num_layers,
+            self.mc.num_kv_heads,
+            self.mc.head_dim,
+            self.cc.block_size,
+            str(self.kv_storage_dtype)[6:],
         )
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -184,14 +196,21 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.
+        if self.cc.kv_cache_dtype == "int8" and self.model.attention_layers()[0].backend.name == "triton_paged":
+            raise InvalidRequestError(
+                "kv_cache_dtype='int8' is read by the CPU ops and the reference backend; the Triton CUDA "
+                "kernel does not read it yet (set ORBITAL_ATTENTION_BACKEND=reference to run it on CUDA)"
+            )
         shape = (
             2,
             self.num_kv_heads_local,
             num_blocks + (1 if self.cuda_graph_max_batch else 0),
             self.cc.block_size,
-            self.mc.head_dim,
+            row_width(self.cc.kv_cache_dtype, self.mc.head_dim),
         )
-        self.kv_caches, self._kv_buffer = allocate_kv_caches(self.mc.num_layers, shape, self.mc.dtype, self.device)
+        self.kv_caches, self._kv_buffer = allocate_kv_caches(
+            self.mc.num_layers, shape, self.kv_storage_dtype, self.device
+        )
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
 

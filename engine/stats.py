@@ -17,6 +17,7 @@ class EngineStats:
     num_preemptions: int = 0  # cumulative
     num_steps: int = 0  # cumulative
     num_blocks: int = 0
+    kv_capacity_tokens: int = 0  # tokens the KV pool holds: num_blocks * block_size (its dtype decides how many)
     blocks_used: int = 0
     blocks_free: int = 0
     blocks_cached: int = 0  # free blocks still holding a cached prefix

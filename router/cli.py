@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(METHODS),
         help="weight-only: int8, int4[:g32|g64|g128] at load, or gguf (a GGUF's own blocks)",
     )
+    s.add_argument(
+        "--kv-cache-dtype",
+        default=_d("kv_cache_dtype"),
+        choices=["auto", "int8"],
+        help="KV cache storage: the model's dtype, or int8 with per-token scales (~2x the tokens of bf16)",
+    )
     s.add_argument("--device", default=_d("device"))
     s.add_argument(
         "--kv-cache-memory-bytes",
@@ -228,6 +234,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         served_model_name=a.served_model_name,
         dtype=a.dtype,
         quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
         device=a.device,
         tensor_parallel_size=a.tp,
         num_replicas=a.replicas,

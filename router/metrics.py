@@ -169,13 +169,14 @@ def aggregate(replica_stats: list[dict]) -> dict:
         "num_waiting": 0,
         "blocks_used": 0,
         "num_blocks": 0,
+        "kv_capacity_tokens": 0,
         "finished": {},
         "rejected": 0,
         **{k: 0 for k in COUNTERS},
         **{k: 0 for k, _ in SPEC_COUNTERS.values()},
     }
     for s in replica_stats:
-        for k in ("num_running", "num_waiting", "blocks_used", "num_blocks", *COUNTERS):
+        for k in ("num_running", "num_waiting", "blocks_used", "num_blocks", "kv_capacity_tokens", *COUNTERS):
             agg[k] += s.get(k, 0)
         for k, _ in SPEC_COUNTERS.values():
             agg[k] += s.get(k, 0)
@@ -234,6 +235,11 @@ def render_pools(
         gauge("num_requests_running", "Requests in the engines' running batches.", agg["num_running"])
         gauge("num_requests_waiting", "Requests waiting in the engines' queues.", agg["num_waiting"])
         gauge("kv_cache_usage_perc", "KV cache usage (1 = full), over all replicas.", agg["kv_cache_usage"])
+        gauge(
+            "kv_cache_capacity_tokens",
+            "Tokens the engines' KV pools hold (int8 KV: about twice bfloat16's), over all replicas.",
+            agg["kv_capacity_tokens"],
+        )
         gauge("num_replicas", "Engine replicas the router knows.", len(replica_stats))
         gauge("router_requests_in_flight", "Requests in this router replica.", router.get("in_flight", 0))
         gauge("router_requests_queued", "Requests in this router replica with no token yet.", router.get("queued", 0))

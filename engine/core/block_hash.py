@@ -35,11 +35,21 @@ def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple:
     return ()
 
 
+def kv_hash_root(kv_cache_dtype: str) -> int | None:
+    """The parent of a chain's first block: None for a cache in the model's dtype (the hashes
+    stay what they were), else a digest of the KV dtype, so blocks of an int8 cache never match
+    a float cache's (an index that spans replicas of both never predicts such a hit)."""
+    if kv_cache_dtype == "auto":
+        return None
+    return int.from_bytes(hashlib.sha256(f"kv_cache_dtype={kv_cache_dtype}".encode()).digest(), "big")
+
+
 def extend_block_hashes(
-    hashes: list[int], tokens: Sequence[int], block_size: int, cache_salt: str | None = None
+    hashes: list[int], tokens: Sequence[int], block_size: int, cache_salt: str | None = None, root: int | None = None
 ) -> list[int]:
-    """Extend `hashes` (those of the leading full blocks of `tokens`) to every full block."""
-    parent = hashes[-1] if hashes else None
+    """Extend `hashes` (those of the leading full blocks of `tokens`) to every full block;
+    `root`: the first block's parent (kv_hash_root)."""
+    parent = hashes[-1] if hashes else root
     for i in range(len(hashes), len(tokens) // block_size):
         block_tokens = tokens[i * block_size : (i + 1) * block_size]
         parent = hash_block_tokens(parent, block_tokens, block_extra_keys(cache_salt, i))
@@ -53,16 +63,18 @@ def max_hit_blocks(num_tokens: int, block_size: int) -> int:
     return max(0, num_tokens - 1) // block_size
 
 
-def prompt_hit_hashes(prompt_token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+def prompt_hit_hashes(
+    prompt_token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, root: int | None = None
+) -> list[int]:
     """The hashes a prefix-cache lookup of this prompt walks, in order (the router predicts a
     replica's hit with them)."""
     n = max_hit_blocks(len(prompt_token_ids), block_size)
-    return extend_block_hashes([], prompt_token_ids[: n * block_size], block_size, cache_salt)
+    return extend_block_hashes([], prompt_token_ids[: n * block_size], block_size, cache_salt, root)
 
 
-def update_block_hashes(request: Request, block_size: int) -> list[int]:
+def update_block_hashes(request: Request, block_size: int, root: int | None = None) -> list[int]:
     """Extend `request.block_hashes` to cover every full block of `all_token_ids`.
 
     Incremental: only blocks that became full since the last call are hashed.
     """
-    return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt)
+    return extend_block_hashes(request.block_hashes, request.all_token_ids, block_size, request.cache_salt, root)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from engine.core.block_hash import max_hit_blocks, update_block_hashes
+from engine.core.block_hash import kv_hash_root, max_hit_blocks, update_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.free_block_queue import KVCacheBlock
 from engine.request import Request
@@ -27,8 +27,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto"
+    ) -> None:
         self.block_size = block_size
+        self.hash_root = kv_hash_root(kv_cache_dtype)  # the KV dtype salts every chain
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         # Hashing stays on in the pool: salted siblings share even with prefix caching off.
@@ -48,7 +51,7 @@ class KVCacheManager:
         if not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed, so no hits.
             return [], 0
-        hashes = update_block_hashes(request, self.block_size)
+        hashes = update_block_hashes(request, self.block_size, self.hash_root)
         max_blocks = max_hit_blocks(request.num_tokens, self.block_size)
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
@@ -103,7 +106,7 @@ class KVCacheManager:
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full_blocks <= num_cached:
             return
-        update_block_hashes(request, self.block_size)
+        update_block_hashes(request, self.block_size, self.hash_root)
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[request.request_id], num_cached, num_full_blocks)
         self.num_cached_block[request.request_id] = num_full_blocks
 

@@ -47,7 +47,9 @@ class Scheduler:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(cache_config.block_size, num_blocks, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.block_size, num_blocks, cache_config.enable_prefix_caching, cache_config.kv_cache_dtype
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; the last one is preempted first
@@ -460,6 +462,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=self.num_steps,
             num_blocks=kv["num_blocks"],
+            kv_capacity_tokens=kv["num_blocks"] * self.kv_cache_manager.block_size,
             blocks_used=kv["blocks_used"],
             blocks_free=kv["blocks_free"],
             blocks_cached=kv["blocks_cached"],

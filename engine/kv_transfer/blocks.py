@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.layers.attention.kv_int8 import row_width
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,11 @@ class KVLayout:
     num_kv_heads: int  # all of the model's, not one rank's
     head_dim: int
     block_size: int
-    dtype: str  # torch dtype name, e.g. "float32"
+    dtype: str  # the cache's torch dtype name, e.g. "float32"; "int8": rows carry their scales
+
+    @property
+    def row_width(self) -> int:
+        return row_width("int8" if self.dtype == "int8" else "auto", self.head_dim)
 
     def check_matches(self, other: KVLayout) -> None:
         if self != other:
@@ -30,7 +35,7 @@ class KVLayout:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.tensor([], dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.row_width * elem
 
 
 @dataclass
@@ -55,6 +60,6 @@ class KVBlocks:
     def check(self, layout: KVLayout, num_blocks: int) -> None:
         """Raise a clear error unless this payload fits `num_blocks` blocks of `layout`."""
         layout.check_matches(self.layout)
-        want = (layout.num_layers, 2, layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim)
+        want = (layout.num_layers, 2, layout.num_kv_heads, num_blocks, layout.block_size, layout.row_width)
         if tuple(self.data.shape) != want:
             raise InvalidRequestError(f"KV payload has shape {tuple(self.data.shape)}, expected {want}")

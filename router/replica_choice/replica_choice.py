@@ -42,7 +42,7 @@ import router.replica_choice.local_load as local_load_module
 import router.replica_choice.placement as placement
 import router.replica_choice.registry as registry
 import router.replica_choice.routing_log as routing_log_module
-from engine.core.block_hash import prompt_hit_hashes
+from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
 from engine.errors import EngineDeadError
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
@@ -61,14 +61,21 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
     replicas: list[RunningReplica] = []
     policy = "least-loaded"
     block_size = 16
+    hash_root: int | None = None
     slack = cache_aware.DEFAULT_SLACK
 
     def initialize_state(
-        self, policy: str = "least-loaded", block_size: int = 16, slack: float = cache_aware.DEFAULT_SLACK, **_: Any
+        self,
+        policy: str = "least-loaded",
+        block_size: int = 16,
+        slack: float = cache_aware.DEFAULT_SLACK,
+        kv_cache_dtype: str = "auto",
+        **_: Any,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         self.policy, self.block_size, self.slack = policy, block_size, slack
+        self.hash_root = kv_hash_root(kv_cache_dtype)  # the engines' chains start there
         self._turn = itertools.count()
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
@@ -150,7 +157,7 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         self, candidates: list[RunningReplica], msg: Any
     ) -> tuple[list[RunningReplica], list[int], dict[str, int]]:
         no_hits = msg.params.prompt_logprobs is not None  # the engine looks nothing up then
-        hashes = [] if no_hits else prompt_hit_hashes(msg.prompt_token_ids, self.block_size)
+        hashes = [] if no_hits else prompt_hit_hashes(msg.prompt_token_ids, self.block_size, root=self.hash_root)
         index = kv_index_module.kv_index
 
         def cached(r: RunningReplica) -> int:

@@ -16,6 +16,7 @@ from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, lower_te
 LOWER = [t for t in [lower_test_target()] if t]  # the next target below this CPU's best
 KERNEL_TESTS = [
     "tests/engine/test_attention_backends.py",
+    "tests/engine/test_kv_int8_kernels.py",
     "tests/engine/test_fused_elementwise.py",
     "tests/engine/test_small_linear.py",
     "tests/engine/test_sampler.py",

@@ -10,6 +10,7 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
 void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
+void write_kv_int8(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
 torch::Tensor argmax_rows(torch::Tensor x);
 bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                        torch::Tensor info, double scale, torch::Tensor out);
@@ -34,6 +35,7 @@ static std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention");
   m.def("write_kv", &write_kv, "write K/V rows into the paged cache at their slots");
+  m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows (per-row float16 scale) into the int8 paged cache");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax (first index of the max, NaN first) for float32/bfloat16");
   m.def("prefill_attention", &prefill_attention, "causal attention of a step's prompt chunks over the paged cache; false if not applicable");
   m.def("rms_norm", &rms_norm, "in place: residual += x, x = weight * rmsnorm(residual); false if not applicable");

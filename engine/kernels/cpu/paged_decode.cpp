@@ -15,6 +15,8 @@
 #include <limits>
 #include <vector>
 
+#include "kv_int8.h"
+
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -29,6 +31,14 @@ inline void widen<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   for (int64_t x = 0; x < n; ++x) d[x] = static_cast<uint32_t>(s[x]) << 16;
+}
+
+// int8 cache rows (kv_int8.h): n rows of stride rs, each with its own scale.
+static inline void widen_i8(const int8_t* src, float* dst, int64_t n, int64_t rs, int64_t d) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float s = kvi8::row_scale(src + t * rs, d);
+    for (int64_t x = 0; x < d; ++x) dst[t * d + x] = static_cast<float>(src[t * rs + x]) * s;
+  }
 }
 
 using Vec = at::vec::Vectorized<float>;
@@ -63,16 +73,17 @@ static inline void scale_add(float* acc, float c, const float* p, const float* v
 #include "paged_decode_simd.h"
 #endif
 
-template <typename scalar_t>
+// C: the cache's element type (scalar_t, or int8_t for an int8 cache).
+template <typename scalar_t, typename C = scalar_t>
 static void decode_generic(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                         torch::Tensor& out) {
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2), rs = k_cache.size(3);
   const int64_t g = hq / hkv, maxb = block_tables.size(1);
   const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -92,14 +103,19 @@ static void decode_generic(const torch::Tensor& q, const torch::Tensor& k_cache,
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t0 = 0; t0 < len; t0 += bs) {  // one KV block at a time
         const int64_t n = std::min<int64_t>(bs, len - t0);
-        const int64_t off = (h * nb + bt[i * maxb + t0 / bs]) * bs * d;
-        const scalar_t* kr = kp + off;
-        const scalar_t* vr = vp + off;
+        const int64_t off = (h * nb + bt[i * maxb + t0 / bs]) * bs * rs;
+        const C* kr = kp + off;
+        const C* vr = vp + off;
         const float* kb;
         const float* vb;
-        if constexpr (std::is_same_v<scalar_t, float>) {  // already float: read the cache in place
+        if constexpr (std::is_same_v<C, float>) {  // already float: read the cache in place
           kb = kr;
           vb = vr;
+        } else if constexpr (std::is_same_v<C, int8_t>) {
+          widen_i8(kr, kf.data(), n, rs, d);
+          widen_i8(vr, vf.data(), n, rs, d);
+          kb = kf.data();
+          vb = vf.data();
         } else {
           widen(kr, kf.data(), n * d);
           widen(vr, vf.data(), n * d);
@@ -133,14 +149,25 @@ static void decode_generic(const torch::Tensor& q, const torch::Tensor& k_cache,
   });
 }
 
-// q [b, Hq, D]; k_cache/v_cache [Hkv, num_blocks, block_size, D]; block_tables [b, max_blocks] int32;
-// seq_lens [b] int32 (tokens to attend, including the new one). Returns [b, Hq, D].
+// q [b, Hq, D]; k_cache/v_cache [Hkv, num_blocks, block_size, D] in q's dtype, or int8
+// [.., D + 2] (kv_int8.h); block_tables [b, max_blocks] int32; seq_lens [b] int32 (tokens to
+// attend, including the new one). Returns [b, Hq, D] in q's dtype.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "bad shapes");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   q = q.contiguous();
   auto out = torch::empty_like(q);
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_cache.size(3) == q.size(2) + kvi8::kScaleBytes, "int8 cache rows are head_dim + 2 bytes");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_int8", [&] {
+#if defined(ORBITAL_SIMD16)
+      if (decode_simd<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out)) return;
+#endif
+      decode_generic<scalar_t, int8_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    });
+    return out;
+  }
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
 #if defined(ORBITAL_SIMD16)
     if (decode_simd<scalar_t>(q, k_cache, v_cache, block_tables, seq_lens, scale, out)) return;

@@ -7,6 +7,7 @@
 #pragma once
 #include <immintrin.h>
 
+#include "kv_int8.h"
 #include "simd16.h"
 #include "work_queue.h"
 
@@ -20,11 +21,15 @@ using simd::load16;
 template <typename T>
 static constexpr bool kSupported = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
 
-// One work item: query heads h*G .. h*G+G-1 of sequence i against its cached tokens.
-template <int NV, typename T>
-static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blocks, int64_t len, int64_t bs,
+// One work item: query heads h*G .. h*G+G-1 of sequence i against its cached tokens. C is the
+// cache's element type: T, or int8_t (rows of D values and a float16 scale, applied to the
+// scores and to the V rows as they are widened).
+template <int NV, typename T, typename C>
+static void item(const T* qp, const C* kbase, const C* vbase, const int32_t* blocks, int64_t len, int64_t bs,
                  int64_t g, float scale, T* op) {
   constexpr int D = NV * 16;
+  constexpr bool kI8 = std::is_same_v<C, int8_t>;
+  constexpr int64_t RS = kI8 ? D + kvi8::kScaleBytes : D;  // elements per cache row
   alignas(64) float qf[kMaxG][D];
   alignas(64) float acc[kMaxG][D];
   alignas(64) float s[kMaxG][16];
@@ -39,7 +44,7 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
 #if defined(__AVX512BF16__)
   // bf16 cache: dot products straight from the cache with VDPBF16PS (q is bf16 already, so
   // the conversion below is exact; the scale is applied to the scores).
-  constexpr bool kDp = std::is_same_v<T, c10::BFloat16> && NV % 2 == 0;
+  constexpr bool kDp = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && NV % 2 == 0;
   __m512bh qb[kDp ? kMaxG : 1][kDp ? NV / 2 : 1];
   if constexpr (kDp) {
     for (int64_t gi = 0; gi < g; ++gi)
@@ -62,10 +67,10 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
       const int64_t pn = std::min<int64_t>(16, len - start);
       for (int64_t t = 0; t < pn; ++t) {
         const int64_t pos = start + t;
-        const int64_t row = (static_cast<int64_t>(blocks[pos / bs]) * bs + pos % bs) * D;
+        const int64_t row = (static_cast<int64_t>(blocks[pos / bs]) * bs + pos % bs) * RS;
         const char* kr = reinterpret_cast<const char*>(kbase + row);
         const char* vr = reinterpret_cast<const char*>(vbase + row);
-        for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(T)); c += 64) {
+        for (int64_t c = 0; c < RS * static_cast<int64_t>(sizeof(C)); c += 64) {
           if (ahead == 1) {
             _mm_prefetch(kr + c, _MM_HINT_T0);
             _mm_prefetch(vr + c, _MM_HINT_T0);
@@ -78,13 +83,20 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
     }
     // Scores for these n tokens (they may span two cache blocks when bs is not 16): per head, 16
     // partial-sum vectors, reduced together. Rows past n are zero (masked out below).
-    const T* krow[16];
+    const C* krow[16];
+    float kscale[16];
     for (int64_t t = 0; t < n; ++t) {
       const int64_t pos = t0 + t;
-      const int64_t row = (static_cast<int64_t>(blocks[pos / bs]) * bs + pos % bs) * D;
+      const int64_t row = (static_cast<int64_t>(blocks[pos / bs]) * bs + pos % bs) * RS;
       krow[t] = kbase + row;
-      const T* vr = vbase + row;
-      for (int j = 0; j < NV; ++j) simd::store(vf[t] + 16 * j, load16(vr + 16 * j));
+      const C* vr = vbase + row;
+      if constexpr (kI8) {
+        kscale[t] = kvi8::row_scale(krow[t], D);
+        const F16 vs = simd::set1(kvi8::row_scale(vr, D));
+        for (int j = 0; j < NV; ++j) simd::store(vf[t] + 16 * j, simd::mul(load16(vr + 16 * j), vs));
+      } else {
+        for (int j = 0; j < NV; ++j) simd::store(vf[t] + 16 * j, load16(vr + 16 * j));
+      }
     }
     for (int64_t gi = 0; gi < g; ++gi) {
       F16 part[16];
@@ -98,6 +110,7 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
 #endif
           } else {
             for (int j = 0; j < NV; ++j) a = simd::fmadd(simd::load(qf[gi] + 16 * j), load16(krow[t] + 16 * j), a);
+            if constexpr (kI8) a = simd::mul(a, simd::set1(kscale[t]));
           }
         }
         part[t] = a;
@@ -128,15 +141,15 @@ static void item(const T* qp, const T* kbase, const T* vbase, const int32_t* blo
   }
 }
 
-template <int NV, typename T>
+template <int NV, typename T, typename C>
 static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
   const int64_t b = q.size(0), hq = q.size(1);
-  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2), rs = k_cache.size(3);
   const int64_t g = hq / hkv, maxb = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -145,15 +158,16 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   struct None {};
   parallel_dynamic<None>(b * hkv, [&](int64_t w, None&) {
     const int64_t i = order[w / hkv], h = w % hkv;
-    item<NV, T>(qp + (i * hq + h * g) * D, kp + h * nb * bs * D, vp + h * nb * bs * D, bt + i * maxb, sl[i], bs, g,
-                static_cast<float>(scale), op + (i * hq + h * g) * D);
+    item<NV, T, C>(qp + (i * hq + h * g) * D, kp + h * nb * bs * rs, vp + h * nb * bs * rs, bt + i * maxb, sl[i],
+                   bs, g, static_cast<float>(scale), op + (i * hq + h * g) * D);
   });
 }
 
 }  // namespace vdecode
 
 // False when this path does not cover the case (dtype, head_dim, group size): use the generic one.
-template <typename T>
+// C: the cache's element type (T, or int8_t for an int8 cache).
+template <typename T, typename C = T>
 static bool decode_simd(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
                           torch::Tensor& out) {
@@ -163,13 +177,13 @@ static bool decode_simd(const torch::Tensor& q, const torch::Tensor& k_cache, co
     const int64_t d = q.size(2), g = q.size(1) / k_cache.size(0);
     if (g > vdecode::kMaxG || !k_cache.is_contiguous() || !v_cache.is_contiguous()) return false;
     switch (d) {
-      case 16: vdecode::run<1, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 32: vdecode::run<2, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 64: vdecode::run<4, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 80: vdecode::run<5, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 96: vdecode::run<6, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 128: vdecode::run<8, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
-      case 256: vdecode::run<16, T>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 16: vdecode::run<1, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 32: vdecode::run<2, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 64: vdecode::run<4, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 80: vdecode::run<5, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 96: vdecode::run<6, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 128: vdecode::run<8, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
+      case 256: vdecode::run<16, T, C>(q, k_cache, v_cache, block_tables, seq_lens, scale, out); return true;
       default: return false;
     }
   }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#include "kv_int8.h"
 #include "simd16.h"
 #include "work_queue.h"
 
@@ -83,18 +84,38 @@ struct Chunk {
   int64_t padded() const { return (keys() + kTile - 1) / kTile * kTile; }
 };
 
-// Pack keys [0, keys) of one (chunk, head): K as [key tile][D/kPer units][16 keys], V as
-// [key unit][D] where a unit holds kPer consecutive keys' values of one dimension.
+// An int8 cache row (kv_int8.h) as D values of T, as dequantize_rows gives them.
 template <int D, typename T>
-static void pack(const Chunk& c, const T* kh, const T* vh, int64_t bs, uint32_t* kp, uint32_t* vp) {
+static inline void dequant_row(const int8_t* r, T* dst) {
+  const float s = kvi8::row_scale(r, D);
+  for (int d = 0; d < D; ++d) dst[d] = static_cast<T>(static_cast<float>(r[d]) * s);
+}
+
+// Pack keys [0, keys) of one (chunk, head): K as [key tile][D/kPer units][16 keys], V as
+// [key unit][D] where a unit holds kPer consecutive keys' values of one dimension. C: the
+// cache's element type, T or int8_t (rows dequantized to T as they are packed).
+template <int D, typename T, typename C>
+static void pack(const Chunk& c, const C* kh, const C* vh, int64_t bs, uint32_t* kp, uint32_t* vp) {
   constexpr int P = Unit<T>::kPer, U = D / P;
+  constexpr bool kI8 = std::is_same_v<C, int8_t>;
+  constexpr int64_t RS = kI8 ? D + kvi8::kScaleBytes : D;
   const int64_t n = c.keys(), np = c.padded();
   std::memset(kp, 0, np * U * 4);
   std::memset(vp, 0, np / P * D * 4);
+  T kbuf[D], vbuf[D];
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t row = (static_cast<int64_t>(c.blocks[j / bs]) * bs + j % bs) * D;
-    const T* kr = kh + row;
-    const T* vr = vh + row;
+    const int64_t row = (static_cast<int64_t>(c.blocks[j / bs]) * bs + j % bs) * RS;
+    const T* kr;
+    const T* vr;
+    if constexpr (kI8) {
+      dequant_row<D, T>(kh + row, kbuf);
+      dequant_row<D, T>(vh + row, vbuf);
+      kr = kbuf;
+      vr = vbuf;
+    } else {
+      kr = kh + row;
+      vr = vh + row;
+    }
     uint32_t* kt = kp + (j / kTile) * U * kTile + j % kTile;
     for (int u = 0; u < U; ++u) kt[u * kTile] = Unit<T>::bits(kr + u * P);
     if constexpr (std::is_same_v<T, float>) {
@@ -197,10 +218,11 @@ static void item(const Chunk& c, int64_t h, int64_t p0, int64_t g, int64_t hq, c
   }
 }
 
-template <int D, typename T>
+template <int D, typename T, typename C>
 static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                 const torch::Tensor& block_tables, const torch::Tensor& info, double scale, torch::Tensor& out) {
   const int64_t hq = q.size(1), hkv = k_cache.size(0), nb = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t rs = k_cache.size(3);
   const int64_t g = hq / hkv, nc = info.size(0), maxb = block_tables.size(1);
   constexpr int P = Unit<T>::kPer;
   const int32_t* inf = info.data_ptr<int32_t>();
@@ -216,13 +238,13 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   auto vbuf = torch::empty({hkv * voff[nc] + 16}, torch::dtype(torch::kInt32));
   uint32_t* kp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(kbuf.data_ptr<int32_t>()) + 63) & ~uintptr_t(63));
   uint32_t* vp = reinterpret_cast<uint32_t*>(vbuf.data_ptr<int32_t>());
-  const T* kc = k_cache.data_ptr<T>();
-  const T* vc = v_cache.data_ptr<T>();
+  const C* kc = k_cache.data_ptr<C>();
+  const C* vc = v_cache.data_ptr<C>();
   at::parallel_for(0, nc * hkv, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
       const int64_t i = w / hkv, h = w % hkv;
-      pack<D, T>(chunks[i], kc + h * nb * bs * D, vc + h * nb * bs * D, bs, kp + h * koff[nc] + koff[i],
-                 vp + h * voff[nc] + voff[i]);
+      pack<D, T, C>(chunks[i], kc + h * nb * bs * rs, vc + h * nb * bs * rs, bs, kp + h * koff[nc] + koff[i],
+                    vp + h * voff[nc] + voff[i]);
     }
   });
   // Work items, costliest first (later positions see more keys), handed out dynamically.
@@ -243,15 +265,15 @@ static void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 static bool dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      const torch::Tensor& block_tables, const torch::Tensor& info, double scale, torch::Tensor& out) {
   if (q.size(1) / k_cache.size(0) > 16) return false;  // qu[] holds 16 positions x 16 heads
   switch (q.size(2)) {
-    case 32: run<32, T>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
-    case 64: run<64, T>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
-    case 96: run<96, T>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
-    case 128: run<128, T>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
+    case 32: run<32, T, C>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
+    case 64: run<64, T, C>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
+    case 96: run<96, T, C>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
+    case 128: run<128, T, C>(q, k_cache, v_cache, block_tables, info, scale, out); return true;
     default: return false;
   }
 }
@@ -260,7 +282,8 @@ static bool dispatch(const torch::Tensor& q, const torch::Tensor& k_cache, const
 #endif
 
 // q/out [T, Hq, D] (rows of the step; each chunk's rows are contiguous); k_cache/v_cache
-// [Hkv, num_blocks, block_size, D] holding every chunk's keys (context and new);
+// [Hkv, num_blocks, block_size, D] holding every chunk's keys (context and new), in q's dtype
+// or int8 with rows of D + 2 (kv_int8.h);
 // block_tables [C, max_blocks] int32; info [C, 3] int32 = (first row, new tokens, cached tokens).
 // Writes the chunks' rows of out; false (nothing written) where this path does not apply.
 bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
@@ -270,12 +293,21 @@ bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
   TORCH_CHECK(info.dim() == 2 && info.size(1) == 3 && block_tables.size(0) == info.size(0), "info is [C, 3]");
 #if defined(ORBITAL_SIMD16)
   if (!q.is_contiguous() || !out.is_contiguous() || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
-      !block_tables.is_contiguous() || !info.is_contiguous() || q.scalar_type() != k_cache.scalar_type() ||
-      out.scalar_type() != q.scalar_type())
+      !block_tables.is_contiguous() || !info.is_contiguous() || out.scalar_type() != q.scalar_type())
     return false;
-  if (q.scalar_type() == at::kFloat) return prefill::dispatch<float>(q, k_cache, v_cache, block_tables, info, scale, out);
+  if (k_cache.scalar_type() == at::kChar) {
+    if (k_cache.size(3) != q.size(2) + kvi8::kScaleBytes) return false;
+    if (q.scalar_type() == at::kFloat)
+      return prefill::dispatch<float, int8_t>(q, k_cache, v_cache, block_tables, info, scale, out);
+    if (q.scalar_type() == at::kBFloat16)
+      return prefill::dispatch<c10::BFloat16, int8_t>(q, k_cache, v_cache, block_tables, info, scale, out);
+    return false;
+  }
+  if (q.scalar_type() != k_cache.scalar_type()) return false;
+  if (q.scalar_type() == at::kFloat)
+    return prefill::dispatch<float, float>(q, k_cache, v_cache, block_tables, info, scale, out);
   if (q.scalar_type() == at::kBFloat16)
-    return prefill::dispatch<c10::BFloat16>(q, k_cache, v_cache, block_tables, info, scale, out);
+    return prefill::dispatch<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, info, scale, out);
 #endif
   return false;
 }

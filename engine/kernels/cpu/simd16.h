@@ -64,6 +64,10 @@ static inline F16 from_bf16(const void* p) {
   const __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
 }
+// 16 int8 values (an int8 KV row) as float32.
+static inline F16 from_i8(const void* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))))};
+}
 // Weights streamed once (few-row linear): AVX2 splits them into even and odd elements, see
 // there; one zmm needs no split, so the order is the natural one.
 constexpr bool kBf16Split = false;
@@ -190,6 +194,10 @@ static inline F16 from_bf16(const void* p) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), 16)),
           _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)), 16))};
 }
+static inline F16 from_i8(const void* p) {
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
 // 16 bf16 weights as float32 with the even-indexed ones in .lo and the odd-indexed in .hi: one
 // 32-byte load, a shift and a mask, no widening shuffles (the few-row linear streams weights and
 // is short of instructions per byte on AVX2). The other operand must be in the same order
@@ -247,11 +255,13 @@ static inline F16 exp(F16 x) {
 static inline M16 first(int64_t n) { return lanes_upto(0, n - 1); }  // lanes i < n
 static inline F16 maskz(M16 m, F16 a) { return select(m, a, zero()); }
 
-// 16 values of a float32 or bfloat16 row as float32.
+// 16 values of a float32, bfloat16 or int8 (unscaled) row as float32.
 template <typename T>
 static inline F16 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return loadu(p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return from_i8(p);
   } else {
     return from_bf16(p);
   }

@@ -1,5 +1,6 @@
 """CPU backend: cache writes, decode rows and prompt chunks through the C++ ops (PyTorch's
-reference path wherever an op does not apply)."""
+reference path wherever an op does not apply). An int8 cache (kv_int8.py) is quantized by the
+write op and read as it is by the decode and prompt ops, with q and out in the model's dtype."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
         self.kernel = load_cpu_ops()
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype:
+        if kv_cache.device.type == "cpu" and kv_cache.dtype == torch.int8:
+            self.kernel.write_kv_int8(kv_cache, k, v, slot_mapping)
+        elif kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype:
             self.kernel.write_kv(kv_cache, k, v, slot_mapping)  # row copies, not index_copy_
         else:
             super().write_kv(kv_cache, k, v, slot_mapping)
@@ -35,8 +38,9 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
             return
         if q.device.type != "cpu":  # get_backend refuses this; the step built no decode buckets to fall back on
             raise RuntimeError(f"cpu_paged attention got {q.device} tensors; it runs on CPU only")
+        qd = q[:nd] if kv_cache.dtype == torch.int8 else q[:nd].to(kv_cache.dtype)
         out[:nd] = self.kernel.paged_decode(
-            q[:nd].to(kv_cache.dtype), kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale
+            qd, kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_seq_lens, scale
         ).to(out.dtype)
 
     def prefill(
@@ -52,7 +56,7 @@ class CpuPagedAttentionBackend(ReferenceAttentionBackend):
         if not meta.prefills:
             return
         if q.device.type == "cpu" and meta.prefill_info is not None:
-            qc = q.to(kv_cache.dtype).contiguous()
+            qc = (q if kv_cache.dtype == torch.int8 else q.to(kv_cache.dtype)).contiguous()
             direct = out.is_contiguous() and out.dtype == qc.dtype
             o = out if direct else torch.empty_like(qc)
             if self.kernel.prefill_attention(

@@ -2,6 +2,8 @@
 
 Cache layout per layer: [2, Hkv, num_blocks, block_size, D]. Gathering whole blocks along
 dim 2 yields K as [Hkv, b, L, D] contiguous, which SDPA and matmul use without another copy.
+An int8 cache has rows of D + 2 (values, then a float16 scale: kv_int8.py); rows are
+quantized as they are written and dequantized as they are gathered.
 GQA without copying K/V: the G query heads that share one KV head are laid out as G query
 rows against that head.
 """
@@ -12,19 +14,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention.backend import AttentionBackend
+from engine.layers.attention.kv_int8 import dequantize_rows, quantize_rows, round_trip
 from engine.layers.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _, hkv, nb, bs, d = kv_cache.shape
-    kv_cache[0].view(hkv, nb * bs, d).index_copy_(1, slot_mapping, k.transpose(0, 1).to(kv_cache.dtype))
-    kv_cache[1].view(hkv, nb * bs, d).index_copy_(1, slot_mapping, v.transpose(0, 1).to(kv_cache.dtype))
+    _, hkv, nb, bs, w = kv_cache.shape
+    rows = quantize_rows if kv_cache.dtype == torch.int8 else (lambda x: x.to(kv_cache.dtype))
+    kv_cache[0].view(hkv, nb * bs, w).index_copy_(1, slot_mapping, rows(k.transpose(0, 1)))
+    kv_cache[1].view(hkv, nb * bs, w).index_copy_(1, slot_mapping, rows(v.transpose(0, 1)))
 
 
-def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int) -> torch.Tensor:
-    """[Hkv, num_blocks, bs, D] -> [Hkv, b, L, D], contiguous."""
-    hkv, nb, bs, d = cache.shape
-    return cache.view(hkv, nb, bs * d).index_select(1, flat_block_ids).view(hkv, b, -1, d)
+def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int, dtype: torch.dtype) -> torch.Tensor:
+    """[Hkv, num_blocks, bs, D] -> [Hkv, b, L, D] in `dtype`, contiguous (an int8 cache's rows
+    dequantized)."""
+    hkv, nb, bs, w = cache.shape
+    out = cache.view(hkv, nb, bs * w).index_select(1, flat_block_ids).view(hkv, b, -1, w)
+    return dequantize_rows(out, dtype) if cache.dtype == torch.int8 else out.to(dtype)
 
 
 def decode_attention(
@@ -69,8 +75,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         for bk in meta.decode_buckets:
             b = bk.end - bk.start
             qb = q[bk.start : bk.end].view(b, hkv, g, d).transpose(0, 1)
-            kb = gather_blocks(kv_cache[0], bk.flat_block_ids, b)
-            vb = gather_blocks(kv_cache[1], bk.flat_block_ids, b)
+            kb = gather_blocks(kv_cache[0], bk.flat_block_ids, b, q.dtype)
+            vb = gather_blocks(kv_cache[1], bk.flat_block_ids, b, q.dtype)
             o = decode_attention(qb, kb, vb, bk.mask, scale)  # [Hkv, b, G, D]
             out[bk.start : bk.end] = o.transpose(0, 1).reshape(b, hq, d)
 
@@ -87,6 +93,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         t, hq, d = q.shape
         hkv = kv_cache.shape[1]
         g = hq // hkv
+        if meta.prefills and kv_cache.dtype == torch.int8:
+            k, v = round_trip(k), round_trip(v)
         for pc in meta.prefills:
             n = pc.num_new
             rows = slice(pc.start, pc.start + n)
@@ -104,8 +112,8 @@ class ReferenceAttentionBackend(AttentionBackend):
             # [n, Hq, D] -> [Hkv, G*n, D]: head h = kv*G + g, query rows grouped per g.
             qp = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
             total = pc.num_context + n
-            kp = gather_blocks(kv_cache[0], pc.block_ids, 1)[:, 0, :total].to(q.dtype)
-            vp = gather_blocks(kv_cache[1], pc.block_ids, 1)[:, 0, :total].to(q.dtype)
+            kp = gather_blocks(kv_cache[0], pc.block_ids, 1, q.dtype)[:, 0, :total]
+            vp = gather_blocks(kv_cache[1], pc.block_ids, 1, q.dtype)[:, 0, :total]
             mask = pc.mask.repeat(g, 1)  # same causal pattern for each of the G heads
             o = F.scaled_dot_product_attention(
                 qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale
