@@ -1,7 +1,8 @@
 """Quantized weights at tp=3 (SmolLM2: 9 heads, 3 KV heads): each rank quantizes (or decodes
 from the GGUF) its own shards with their scales; int4 groups and GGUF blocks of 32 fall inside a
 row-parallel shard (576 / 3 = 192, 1536 / 3 = 512 inputs), so every rank holds exactly tp=1's
-values for its rows. Greedy tokens equal tp=1's, with prefix-cache hits; weights ~1/3 per rank."""
+values for its rows. Greedy tokens equal tp=1's, with prefix-cache hits; weights ~1/3 per rank.
+The int8 KV cache too: its scales are per KV head, so each rank's heads are exactly tp=1's."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ ARGS = dict(dtype="float32", block_size=4, kv_cache_memory_bytes=16 << 20, enabl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["int4:g32", "gguf"])
-def test_quantized_tp3_matches_tp1(ray_local, smollm_tokenizer, quantization):
+@pytest.mark.parametrize(
+    "quant",
+    [{"quantization": "int4:g32"}, {"quantization": "gguf"}, {"kv_cache_dtype": "int8"}],
+    ids=["int4:g32", "gguf", "kv-int8"],
+)
+def test_quantized_tp3_matches_tp1(ray_local, smollm_tokenizer, quant):
     ids = [{"prompt_token_ids": smollm_tokenizer(p).input_ids} for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12)
 
@@ -26,13 +31,13 @@ def test_quantized_tp3_matches_tp1(ray_local, smollm_tokenizer, quantization):
         outs += llm.generate(ids[1:], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
-    tp1 = LLM(quantization=quantization, **ARGS)
+    tp1 = LLM(**quant, **ARGS)
     try:
         expected = run(tp1)
         full = parameter_bytes(tp1.engine.core.executor.runner.model)
     finally:
         tp1.shutdown()
-    llm = LLM(quantization=quantization, tensor_parallel_size=3, **ARGS)
+    llm = LLM(**quant, tensor_parallel_size=3, **ARGS)
     try:
         got = run(llm)
         stats, info = llm.stats(), llm.engine.core.executor.worker_info()
