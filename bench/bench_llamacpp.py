@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the embedded Q4_1)")
     p.add_argument("--dtype", default="auto", help="Orbital's dtype")
+    p.add_argument(
+        "--quantization", default=None, help="Orbital's weights: int8, int4[:gN], gguf (the GGUF's own blocks)"
+    )
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="Orbital's KV cache")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--slots", type=int, default=16, help="llama.cpp parallel slots")
     p.add_argument("--requests", type=int, default=32)
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     servers = {
         "orbital": (
             f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {oport} --threads {a.threads} "
-            f"--dtype {a.dtype}",
+            f"--dtype {a.dtype} --kv-cache-dtype {a.kv_cache_dtype}"
+            + (f" --quantization {a.quantization}" if a.quantization else ""),
             f"http://127.0.0.1:{oport}",
         ),
         "llama.cpp": (

@@ -1,14 +1,16 @@
 """Weight formats side by side on the embedded model: float32, bfloat16, int8 (float32 and
 bfloat16 activations), int4 quantized at load (group 32 and 128) and the GGUF's own Q4_1 blocks
 (its Q8_0 tied embedding/head included) loaded as they are; the quantized ones start from their
-saved quantized checkpoint (a warm-up start writes it). Each configuration runs in its own process (so resident
-memory is its own), in interleaved rounds; medians of the rounds are printed.
+saved quantized checkpoint (a warm-up start writes it). Each weight format runs with the float KV
+cache (the model's dtype) and the int8 one (`--kv auto int8`). Each configuration runs in its own
+process (so resident memory is its own), in interleaved rounds; medians of the rounds are printed.
 
     python -m bench.bench_quant --rounds 3
 
 Per configuration: single-stream decode (one prompt, `--c1-tokens` forced tokens: tokens/s and
 ms per token), a batch of `--requests` requests of loadtest's mixed-length `uniform` workload
-(output tokens/s), resident memory after load (VmRSS, the 256 MiB KV pool included), and perplexity on a CPython reference page
+(output tokens/s), resident memory after load (VmRSS, the 256 MiB KV pool included), KV tokens
+per GiB of pool (from stats()), and perplexity on a CPython reference page
 (`pydoc_data.topics["assignment"]`, 2000 tokens).
 """
 
@@ -40,15 +42,21 @@ def _rss_mb() -> float:
     return float("nan")
 
 
-def run_one(name: str, c1_tokens: int, requests: int, threads: int) -> dict:
+KV_BYTES = 256 << 20
+
+
+def run_one(name: str, kv: str, c1_tokens: int, requests: int, threads: int) -> dict:
     from pydoc_data.topics import topics
 
     from engine import LLM, SamplingParams
     from loadtest import workloads
     from loadtest.tokens import HFTokenCounter
 
-    llm = LLM(num_threads=threads, kv_cache_memory_bytes=256 << 20, max_model_len=2048, **CONFIGS[name])
+    llm = LLM(
+        num_threads=threads, kv_cache_memory_bytes=KV_BYTES, max_model_len=2048, kv_cache_dtype=kv, **CONFIGS[name]
+    )
     rss = _rss_mb()
+    kv_tokens_per_gib = llm.stats()["kv_capacity_tokens"] * (1 << 30) / KV_BYTES
     tok = llm.tokenizer
     one = SamplingParams(temperature=0, max_tokens=c1_tokens, ignore_eos=True)
     llm.generate(["Warm-up."], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -72,6 +80,7 @@ def run_one(name: str, c1_tokens: int, requests: int, threads: int) -> dict:
         "c1_ms_per_token": 1e3 * c1 / c1_tokens,
         "batch_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / batch,
         "rss_mb": rss,
+        "kv_tokens_per_gib": kv_tokens_per_gib,
         "perplexity": math.exp(sum(nll) / len(nll)),
     }
 
@@ -80,15 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--kv", nargs="+", default=["auto", "int8"], choices=["auto", "int8"])
     p.add_argument("--c1-tokens", type=int, default=96)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child process: one config
     a = p.parse_args(argv)
     if a.one:
-        print(json.dumps(run_one(a.one, a.c1_tokens, a.requests, a.threads)))
+        print(json.dumps(run_one(a.one, a.kv[0], a.c1_tokens, a.requests, a.threads)))
         return 0
-    runs: dict[str, list[dict]] = {c: [] for c in a.configs}
+    runs: dict[tuple[str, str], list[dict]] = {(c, kv): [] for c in a.configs for kv in a.kv}
     for c in a.configs:  # the first start of a quantized configuration saves its checkpoint
         if "quantization" in CONFIGS[c]:
             subprocess.run(
@@ -97,22 +107,25 @@ def main(argv: list[str] | None = None) -> int:
                 check=True,
             )
     for r in range(a.rounds):
-        for c in a.configs:
-            cmd = [sys.executable, "-m", "bench.bench_quant", "--one", c, "--c1-tokens", str(a.c1_tokens)]
+        for c, kv in runs:
+            cmd = [sys.executable, "-m", "bench.bench_quant", "--one", c, "--kv", kv, "--c1-tokens", str(a.c1_tokens)]
             cmd += ["--requests", str(a.requests), "--threads", str(a.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            runs[c].append(json.loads(out.strip().splitlines()[-1]))
-            print(f"round {r + 1} {c}: {runs[c][-1]}", file=sys.stderr)
-    med = {c: {k: statistics.median(x[k] for x in v) for k in v[0]} for c, v in runs.items()}
-    base = med[a.configs[0]]
+            runs[c, kv].append(json.loads(out.strip().splitlines()[-1]))
+            print(f"round {r + 1} {c} kv={kv}: {runs[c, kv][-1]}", file=sys.stderr)
+    med = {key: {k: statistics.median(x[k] for x in v) for k in v[0]} for key, v in runs.items()}
+    first = next(iter(med))
+    base = med[first]
     print(
-        f"| weights | c1 tok/s | c1 ms/token | batch of {a.requests} tok/s | RSS MB | perplexity | c1 vs {a.configs[0]} |"
+        f"| weights | KV | c1 tok/s | c1 ms/token | batch of {a.requests} tok/s | RSS MB | KV tokens/GiB | perplexity "
+        f"| batch vs {first[0]} {first[1]} |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for c, m in med.items():
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (c, kv), m in med.items():
         print(
-            f"| {c} | {m['c1_tok_s']:.1f} | {m['c1_ms_per_token']:.1f} | {m['batch_tok_s']:.1f} | {m['rss_mb']:.0f} "
-            f"| {m['perplexity']:.3f} | {m['c1_tok_s'] / base['c1_tok_s']:.2f}x |"
+            f"| {c} | {kv} | {m['c1_tok_s']:.1f} | {m['c1_ms_per_token']:.1f} | {m['batch_tok_s']:.1f} "
+            f"| {m['rss_mb']:.0f} | {m['kv_tokens_per_gib']:.0f} | {m['perplexity']:.3f} "
+            f"| {m['batch_tok_s'] / base['batch_tok_s']:.2f}x |"
         )
     return 0
 
