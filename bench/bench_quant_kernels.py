@@ -9,25 +9,14 @@ with float32 and with bfloat16 activations, and dequantize + float32 GEMM. Media
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from bench.timing import median_time
 from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.quant.int4 import dequantize_int4, quantize_int4
 from engine.layers.quant.int8 import int8_linear, quantize_int8
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
 
 
 def main(argv=None) -> None:
@@ -47,25 +36,25 @@ def main(argv=None) -> None:
     for m in a.rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
         xb = {k: x.bfloat16() for k, x in xs.items()}
-        r = {
-            "f32 packed": _median_ms(
+        r = {  # seconds
+            "f32 packed": median_time(
                 lambda: [linear(xs[w.shape[1] if not w.is_mkldnn else k], w) for w, (n, k) in zip(packed, shapes)],
                 a.reps,
             ),
-            "int8": _median_ms(lambda: [int8_linear(xs[k], w) for w, (n, k) in zip(i8, shapes)], a.reps),
-            "int4 bf16 act": _median_ms(
+            "int8": median_time(lambda: [int8_linear(xs[k], w) for w, (n, k) in zip(i8, shapes)], a.reps),
+            "int4 bf16 act": median_time(
                 lambda: [int4_mm(xb[k], w, w.group_size, w.scales_zeros_bf16) for w, (n, k) in zip(i4, shapes)], a.reps
             ),
         }
         if m <= 4:
-            r["int4 f32 act"] = _median_ms(
+            r["int4 f32 act"] = median_time(
                 lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros) for w, (n, k) in zip(i4, shapes)], 1
             )
         if m >= 16:
-            r["dequant+f32"] = _median_ms(
+            r["dequant+f32"] = median_time(
                 lambda: [F.linear(xs[k], dequantize_int4(w)) for w, (n, k) in zip(i4, shapes)], 3
             )
-        print(f"rows {m}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.items()), flush=True)
+        print(f"rows {m}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -72,11 +72,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # one per full block of all_token_ids
-    # Disaggregated serving (engine/kv_transfer/). Decode side: a remote prefill was asked for
-    # (once per request); its blocks are already held when it is scheduled (KV arrived, or
-    # recompute after a failed load). Prefill side: read out blocks from this index on at finish.
-    remote_prefill_tried: bool = False
-    blocks_preallocated: bool = False
+    # Disaggregated serving (engine/kv_transfer/), prefill side: read out blocks from this index
+    # on at finish.
     kv_export_first_block: int | None = None
 
     def __post_init__(self) -> None:

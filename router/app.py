@@ -18,7 +18,7 @@ From a Serve config: `serve run deploy/serve.yaml` (import_path `router.app:app_
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.config import RequestRouterConfig
 
@@ -119,16 +119,8 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         return _build_disaggregated(cfg)
     engines, pools = {}, []
     for name, pool in zip(engine_deployment_names(cfg), cfg.pool_configs()):
-        pool, engine_options = autoscaled(pool, engine_deployment_options(pool))  # no-op without cfg.autoscaling
-        if pool.autoscaling is not None:
-            # The policy's drain budget is Serve's kill deadline: the ingress moves what is left
-            # a margin before it.
-            drain = max(1.0, engine_options["graceful_shutdown_timeout_s"] - DRAIN_MARGIN_S)
-            pool = pool.model_copy(update={"drain_timeout_s": drain})
-        engine_options["ray_actor_options"] = single_loop(engine_options["ray_actor_options"])
-        engines[pool.model_name] = EngineReplica.options(name=name, **engine_options).bind(
-            pool.engine_args(), pool.max_queued_requests_per_replica, cfg.stuck_step_timeout_s
-        )
+        pool, engine = _engine_deployment(pool, name, cfg)
+        engines[pool.model_name] = engine
         pools.append(pool)
     if cfg.models is None:
         cfg = pools[0]  # autoscaled: num_replicas is what the router's /health expects
@@ -140,6 +132,26 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
     return _ingress(cfg, pools).bind(engines, cfg.model_dump())
 
 
+def _engine_deployment(
+    pool: AppConfig, name: str, cfg: AppConfig, pool_name: str = "engine", kv_role: str = "decode", **bind_kwargs: Any
+) -> tuple[AppConfig, Application]:
+    """One pool's EngineReplica deployment `name`: its options with the autoscaling policy's
+    `pool_name` pool applied (a no-op without `autoscaling`), bound to the pool's engine args
+    for `kv_role` and `bind_kwargs`. Returns the pool's config as deployed (autoscaled: its
+    `num_replicas` and drain budget) and the bound deployment."""
+    pool, options = autoscaled(pool, engine_deployment_options(pool), pool_name=pool_name)
+    if pool.autoscaling is not None:
+        # The policy's drain budget is Serve's kill deadline: the ingress moves what is left
+        # a margin before it.
+        drain = max(1.0, options["graceful_shutdown_timeout_s"] - DRAIN_MARGIN_S)
+        pool = pool.model_copy(update={"drain_timeout_s": drain})
+    options["ray_actor_options"] = single_loop(options["ray_actor_options"])
+    app = EngineReplica.options(name=name, **options).bind(
+        pool.engine_args(kv_role), pool.max_queued_requests_per_replica, cfg.stuck_step_timeout_s, **bind_kwargs
+    )
+    return pool, app
+
+
 PREFILL_DEPLOYMENT = f"{EngineReplica.name}-prefill"
 
 
@@ -147,21 +159,16 @@ def _build_disaggregated(cfg: AppConfig) -> Application:
     """Prefill pool + decode pool (the `EngineReplica` deployment, as colocated apps name it,
     so routing, failover and /health work unchanged) behind one router. Decode first: the
     router picks a decode replica; it asks a prefill replica for the KV of long prompts."""
-    prefill_cfg = cfg.prefill_pool_config()
-    prefill_cfg, p_opts = autoscaled(prefill_cfg, engine_deployment_options(prefill_cfg), pool_name="prefill")
-    p_opts["ray_actor_options"] = single_loop(p_opts["ray_actor_options"])
-    prefill = EngineReplica.options(name=PREFILL_DEPLOYMENT, **p_opts).bind(
-        prefill_cfg.engine_args("prefill"), prefill_cfg.max_queued_requests_per_replica, cfg.stuck_step_timeout_s
+    # Of the prefill pool's config as deployed only num_replicas is used: the drain budget is
+    # the ingress's, which drains the decode pool.
+    prefill_cfg, prefill = _engine_deployment(
+        cfg.prefill_pool_config(), PREFILL_DEPLOYMENT, cfg, pool_name="prefill", kv_role="prefill"
     )
-    decode_cfg, d_opts = autoscaled(cfg, engine_deployment_options(cfg), pool_name="decode")
-    if decode_cfg.autoscaling is not None:
-        drain = max(1.0, d_opts["graceful_shutdown_timeout_s"] - DRAIN_MARGIN_S)
-        decode_cfg = decode_cfg.model_copy(update={"drain_timeout_s": drain})
-    d_opts["ray_actor_options"] = single_loop(d_opts["ray_actor_options"])
-    decode = EngineReplica.options(name=EngineReplica.name, **d_opts).bind(
-        decode_cfg.engine_args("decode"),
-        decode_cfg.max_queued_requests_per_replica,
-        cfg.stuck_step_timeout_s,
+    decode_cfg, decode = _engine_deployment(
+        cfg,
+        EngineReplica.name,
+        cfg,
+        pool_name="decode",
         prefill=prefill,
         kv_transfer_failure=cfg.kv_transfer_failure,
         kv_transfer_timeout_s=cfg.kv_transfer_timeout_s,

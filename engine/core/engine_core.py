@@ -76,7 +76,7 @@ class EngineCore:
     def _export_kv(self, outputs: list[EngineCoreOutput]) -> None:
         """Prefill side: read out the blocks of requests that asked for it, then free them. Read
         on the step thread right after the step that filled them, before any other allocation."""
-        exports = self.scheduler.take_exports()
+        exports = self.scheduler.exports.take()
         if not exports:
             return
         by_id = {o.request_id: o for o in outputs}
@@ -84,7 +84,7 @@ class EngineCore:
             try:
                 data = self.executor.read_kv_blocks(block_ids)
             finally:
-                self.scheduler.release_export(req)
+                self.scheduler.exports.release(req)
             out = by_id.get(req.request_id)
             if out is not None:
                 out.kv_blocks = KVBlocks(self.kv_layout, req.kv_export_first_block, req.num_prompt_tokens, data)

@@ -13,7 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache_manager import KVCacheManager, cdiv
+from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -21,6 +21,7 @@ from engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from engine.kv_transfer.config import KVTransferConfig
+from engine.kv_transfer.exports import KVExports
 from engine.kv_transfer.remote_prefill import KVLoadRequest, RemotePrefill
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
@@ -66,8 +67,8 @@ class Scheduler:
         self._truncated: dict[str, int] = {}  # block tables cut since the last schedule()
         # Disaggregated serving (None: colocated). Decode side: requests waiting for remote KV.
         # Prefill side: finished requests whose blocks are read out before they are freed.
-        self.remote = RemotePrefill(kv_transfer, self.block_size) if kv_transfer is not None else None
-        self._exports: list[Request] = []
+        self.remote = RemotePrefill(kv_transfer, self.kv_cache_manager) if kv_transfer is not None else None
+        self.exports = KVExports(self.kv_cache_manager)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -126,7 +127,7 @@ class Scheduler:
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
         ):
-            self._exports.append(req)  # freed by release_export once its blocks are read
+            self.exports.add(req)  # freed by exports.release once its blocks are read
         else:
             self.kv_cache_manager.free(req)
         if self.drafting is not None:
@@ -254,15 +255,15 @@ class Scheduler:
                 and len(self.running) + self.num_waiting_for_remote_kv < self.config.max_num_seqs
             ):
                 req = self.waiting[0]
-                if req.blocks_preallocated:  # its KV arrived (or is recomputed): blocks held
+                if self._holds_blocks(req):  # its KV arrived (or is recomputed): blocks held
                     hit_blocks, num_hit = [], 0
-                    req.blocks_preallocated = False
                 else:
                     hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
                     remote = self.remote.remote_tokens(req, num_hit) if self.remote is not None else 0
                     if remote:
-                        if not self._wait_for_remote_kv(req, hit_blocks, num_hit, remote):
+                        if not self.remote.hold(req, hit_blocks, num_hit, remote):
                             break
+                        self.waiting.popleft()  # waits in self.remote until its KV arrives
                         continue
                 n = self._num_new_tokens(req, budget, num_hit)
                 block_ids = self.kv_cache_manager.allocate_slots(req, n, hit_blocks)
@@ -309,18 +310,11 @@ class Scheduler:
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
 
-    def _wait_for_remote_kv(self, req: Request, hit_blocks, num_hit: int, num_tokens: int) -> bool:
-        """Hold blocks for the first `num_tokens` prompt tokens and wait for their KV."""
-        if self.kv_cache_manager.allocate_slots(req, num_tokens - num_hit, hit_blocks, publish=False) is None:
-            return False
-        self.waiting.popleft()
-        req.num_computed_tokens = num_hit
-        req.num_cached_tokens = num_hit
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.remote.add(req, self.kv_cache_manager.get_block_ids(req.request_id), num_hit, num_tokens)
-        return True
+    def _holds_blocks(self, req: Request) -> bool:
+        """A waiting request holds blocks only when it came back from a remote prefill (its KV
+        arrived, or a failed load is recomputed here): preemption frees a request's blocks and a
+        failed allocation leaves none."""
+        return req.request_id in self.kv_cache_manager.req_to_blocks
 
     def take_kv_loads(self) -> list[KVLoadRequest]:
         """Remote prefills asked for since the last call (the caller performs them)."""
@@ -328,48 +322,23 @@ class Scheduler:
 
     def remote_kv_target(self, request_id: str) -> list[int] | None:
         """The block ids a load's contents go to; None when the request is gone (aborted)."""
-        entry = self.remote.waiting.get(request_id) if self.remote is not None else None
-        if entry is None:
-            return None
-        _, load = entry
-        return self.kv_cache_manager.get_block_ids(request_id)[load.first_block : load.first_block + load.num_blocks]
+        return self.remote.target(request_id) if self.remote is not None else None
 
     def remote_kv_done(self, request_id: str, loaded: bool, error: str | None = None) -> None:
         """A load ended. `loaded`: its contents are in the blocks; else they are recomputed here,
         or with `error` the request fails with it."""
-        entry = self.remote.waiting.pop(request_id, None) if self.remote is not None else None
-        if entry is None:
+        req = self.remote.finish(request_id, loaded) if self.remote is not None else None
+        if req is None:
             return
-        req, load = entry
-        if not loaded:
-            self.remote.num_failed += 1
-            if error is not None:
-                req.status = RequestStatus.FINISHED_ERROR
-                self._free_request(req)
-                self._pending_outputs.append(
-                    EngineCoreOutput(request_id, [], finish_reason="error", error=error, error_kind="unavailable")
-                )
-                return
-        else:
-            req.num_computed_tokens = load.num_tokens
-            self.kv_cache_manager.publish_blocks(req, load.num_tokens)
+        if not loaded and error is not None:
+            req.status = RequestStatus.FINISHED_ERROR
+            self._free_request(req)
+            self._pending_outputs.append(
+                EngineCoreOutput(request_id, [], finish_reason="error", error=error, error_kind="unavailable")
+            )
+            return
         req.status = RequestStatus.WAITING
-        req.blocks_preallocated = True
-        self.waiting.appendleft(req)
-
-    def take_exports(self) -> list[tuple[Request, list[int]]]:
-        """Prefill side: finished requests whose KV is to be read out, with the block ids (from
-        `kv_export_first_block` to the last block holding a prompt token). Free each with
-        `release_export` once read."""
-        out = []
-        for req in self._exports:
-            ids = self.kv_cache_manager.get_block_ids(req.request_id)
-            out.append((req, ids[req.kv_export_first_block : cdiv(req.num_prompt_tokens, self.block_size)]))
-        self._exports = []
-        return out
-
-    def release_export(self, req: Request) -> None:
-        self.kv_cache_manager.free(req)
+        self.waiting.appendleft(req)  # scheduled first, with the blocks it holds
 
     # --- results ----------------------------------------------------------------------------
 
@@ -490,7 +459,11 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv_cache_manager.check_integrity()
-        holders = {r.request_id for r in self.running} | {r.request_id for r in self.waiting if r.blocks_preallocated}
+        # Block holders: running requests, those waiting for remote KV, and waiting ones back
+        # from a remote prefill (status WAITING: a preempted request holds none).
+        holders = {r.request_id for r in self.running} | {
+            r.request_id for r in self.waiting if r.status == RequestStatus.WAITING and self._holds_blocks(r)
+        }
         if self.remote is not None:
             holders |= set(self.remote.waiting)
         assert set(self.kv_cache_manager.req_to_blocks) <= holders

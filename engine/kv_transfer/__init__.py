@@ -1,8 +1,9 @@
 """KV-cache hand-off between engines (disaggregated prefill and decode).
 
 The engine side of it, with no transport: which requests wait for KV computed elsewhere
-(`remote_prefill.py`, the scheduler half), the block contents read out of and written into the
-paged cache (`block_io.py`, the runner half), and the payload with its layout (`blocks.py`).
+(`remote_prefill.py`) and which finished ones have theirs read out (`exports.py`), the scheduler
+halves; the block contents read out of and written into the paged cache (`block_io.py`, the
+runner half), and the payload with its layout (`blocks.py`).
 Moving the payload between processes is the caller's business (workers/kv_transport.py).
 """
 

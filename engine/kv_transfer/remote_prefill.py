@@ -12,10 +12,16 @@ the request (the caller's policy).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.kv_transfer.config import KVTransferConfig
-from engine.request import Request
+from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.core.free_block_queue import KVCacheBlock
+    from engine.core.kv_cache_manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,9 @@ class KVLoadRequest:
 
 
 class RemotePrefill:
-    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
-        self.config, self.block_size = config, block_size
+    def __init__(self, config: KVTransferConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config, self.kv_cache_manager = config, kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
         self.waiting: dict[str, tuple[Request, KVLoadRequest]] = {}  # WAITING_FOR_REMOTE_KV
         self._loads: list[KVLoadRequest] = []  # not yet taken by the caller
         self.num_remote = 0  # prefills asked of a prefill engine
@@ -44,12 +51,12 @@ class RemotePrefill:
 
     def remote_tokens(self, req: Request, num_hit: int) -> int:
         """How many leading prompt tokens to fetch (0: prefill here). Only a fresh request:
-        not one resumed from another replica, preempted, or wanting prompt logprobs."""
+        not one resumed from another replica, preempted, or wanting prompt logprobs. (One
+        whose remote prefill already ended holds its blocks; the scheduler does not ask.)"""
         if (
             self.config.role != "decode"
             or req.num_output_tokens
             or req.num_preemptions
-            or req.remote_prefill_tried
             or req.sampling_params.prompt_logprobs is not None
         ):
             return 0
@@ -59,17 +66,52 @@ class RemotePrefill:
             return 0
         return need
 
-    def add(self, req: Request, block_ids: list[int], num_hit: int, num_tokens: int) -> None:
+    def hold(self, req: Request, hit_blocks: list[KVCacheBlock], num_hit: int, num_tokens: int) -> bool:
+        """Hold blocks for the first `num_tokens` prompt tokens (the `num_hit` of them in
+        `hit_blocks` are here already) and wait for the KV of the rest. False: the pool is
+        short, nothing changed."""
+        if self.kv_cache_manager.allocate_slots(req, num_tokens - num_hit, hit_blocks, publish=False) is None:
+            return False
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         first = num_hit // self.block_size
         load = KVLoadRequest(req.request_id, list(req.prompt_token_ids[:num_tokens]), first, len(block_ids) - first)
-        req.remote_prefill_tried = True
         self.waiting[req.request_id] = (req, load)
         self._loads.append(load)
         self.num_remote += 1
+        return True
 
     def take_loads(self) -> list[KVLoadRequest]:
         loads, self._loads = self._loads, []
         return loads
+
+    def target(self, request_id: str) -> list[int] | None:
+        """The block ids a load's contents go to; None when the request is gone (aborted)."""
+        entry = self.waiting.get(request_id)
+        if entry is None:
+            return None
+        _, load = entry
+        return self.kv_cache_manager.get_block_ids(request_id)[load.first_block : load.first_block + load.num_blocks]
+
+    def finish(self, request_id: str, loaded: bool) -> Request | None:
+        """A load ended; the request stops waiting for it and is returned (None when it is gone).
+        `loaded`: its contents are in the blocks, which are published in the prefix cache; else
+        they are to be recomputed (or the request failed: the caller decides). Either way the
+        request keeps its blocks."""
+        entry = self.waiting.pop(request_id, None)
+        if entry is None:
+            return None
+        req, load = entry
+        if loaded:
+            req.num_computed_tokens = load.num_tokens
+            self.kv_cache_manager.publish_blocks(req, load.num_tokens)
+        else:
+            self.num_failed += 1
+        return req
 
     def forget(self, request_id: str) -> None:
         self.waiting.pop(request_id, None)

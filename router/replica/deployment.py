@@ -22,6 +22,7 @@ stats snapshot (published after each step), never from the scheduler's live stru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -31,11 +32,11 @@ from typing import AsyncIterator
 # few cores). Must precede the first torch import in this worker process.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from engine.async_engine import AsyncEngine
-from engine.core.kv_events import KVEventBatch
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model.text_side import text_side_files
@@ -44,24 +45,19 @@ from router.backpressure import ReplicaQueue
 from router.messages import (
     AbortRequest,
     FinishSequences,
-    KVEventsUpdate,
     PrefillKV,
     PrefillKVDone,
     SubmitRequest,
     TextSideFiles,
-    encode,
 )
 from router.metrics import COUNTERS, new_histograms
 from router.replica.autoscaling_stats import AutoscalingStats
+from router.replica.kv_feed import KVFeed
 from router.replica.outbox import Outbox
 from router.replica.remote_prefill import RemotePrefills, prefill_kv
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
-
-# A `kv_events` call ends after this long: Serve's graceful drain waits for open calls, and the
-# ingress calls again at once.
-KV_FEED_S = 2.0
 
 
 class _Job:
@@ -110,22 +106,14 @@ class EngineReplica:
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
             self.replica_id = "local"
         self.queue = ReplicaQueue(max_queued_requests)
-        try:
-            import ray
-
-            self.node_id = ray.get_runtime_context().get_node_id()
-        except Exception:  # noqa: BLE001 - outside Ray (unit use)
-            self.node_id = None
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.hist = new_histograms()
         self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens", "migrated_in")}
         self.finished: dict[str, int] = {}
         self._jobs: dict[str, _Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
-        self.kv_log = self.engine.engine.core.kv_events
-        self._loop: asyncio.AbstractEventLoop | None = None  # set by the first call
-        self._kv_waiters: set[asyncio.Event] = set()
-        self.kv_log.add_listener(self._kv_published)
+        self.kv_feed = KVFeed(self.engine.engine.core.kv_events, self._outboxes.values)
         self.remote_prefills = (
             RemotePrefills(self.engine, prefill, self.hist, kv_transfer_failure, kv_transfer_timeout_s)
             if prefill is not None
@@ -140,9 +128,9 @@ class EngineReplica:
         replica's id (the ingress pins `output_channel`, `finish` and `abort` to it)."""
         if not self.engine.is_alive():
             raise EngineDeadError("the engine loop is not running")
-        self._loop = asyncio.get_running_loop()
+        self.kv_feed.loop = asyncio.get_running_loop()
         if self.remote_prefills is not None:
-            self.remote_prefills.loop = self._loop
+            self.remote_prefills.loop = self.kv_feed.loop
         rid = msg.request_id
         if rid in self._jobs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -181,50 +169,13 @@ class EngineReplica:
 
     # --- KV events ------------------------------------------------------------------------
 
-    def _kv_published(self, batch: KVEventBatch) -> None:
-        """Engine thread, after each step that changed the cached hashes: queued on the loop
-        ahead of that step's outputs (call_soon_threadsafe keeps the order)."""
-        loop = self._loop
-        if loop is not None:
-            loop.call_soon_threadsafe(self._kv_to_ingresses, batch)
-
-    def _kv_to_ingresses(self, batch: KVEventBatch) -> None:
-        for box in self._outboxes.values():
-            if box.active:
-                box.kv(batch)
-        for ev in self._kv_waiters:
-            ev.set()
-
     async def kv_events(self, epoch: str | None, seq: int, replica_id: str | None = None) -> AsyncIterator[bytes]:
         """Streaming: one KVEventsUpdate at once (a snapshot when the batches after `seq` of
-        `epoch` are gone), then one per step that changes the cached hashes, for KV_FEED_S."""
-        self._loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-        self._kv_waiters.add(wake)
-        try:
-            deadline = time.monotonic() + KV_FEED_S
-            first = True
-            while True:
-                batches = self.kv_log.since(epoch, seq) if epoch is not None else None
-                snap = None
-                if batches is None:
-                    snap, batches = self.kv_log.snapshot(), []
-                    epoch, seq = snap.epoch, snap.seq
-                if batches:
-                    seq = batches[-1].seq
-                if snap is not None or batches or first:
-                    yield encode(KVEventsUpdate(snap, batches))
-                first = False
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), remaining)
-                except asyncio.TimeoutError:
-                    return
-        finally:
-            self._kv_waiters.discard(wake)
+        `epoch` are gone), then one per step that changes the cached hashes, for a few seconds
+        (router/replica/kv_feed.py)."""
+        async with contextlib.aclosing(self.kv_feed.stream(epoch, seq)) as updates:
+            async for payload in updates:
+                yield payload
 
     def _step_handed_over(self) -> None:
         """Returns once the engine thread has handed its current step's outputs to this loop

@@ -82,6 +82,10 @@ class RemotePrefills:
                 done: PrefillKVDone = await self.prefill.prefill_kv.remote(msg)
                 t1 = time.monotonic()
                 blocks = await receive_kv(done.handle)
+            # Not redundant with the engine's check in load_kv: here a payload that does not fit
+            # is a failed transfer (the policy below, kv_transfer_failures); there, on the step
+            # thread, it can only be recomputed and this would have counted a transfer. The
+            # prefill side checks the layout alone.
             blocks.check(self.layout, load.num_blocks)
             self.engine.load_kv(load.request_id, blocks)
             t2 = time.monotonic()

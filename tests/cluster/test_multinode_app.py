@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from tests.cluster.helpers import complete, free_port, replica_states, stream_completion, wait_healthy
-from tests.workers.conftest import save_tiny_llama
+from tests.tiny_llama import save_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -17,6 +17,16 @@ from tests.serve_cluster import local_serve, run_app
 APP = "pd"
 LOCAL_MAX = 16
 BLOCK_BYTES = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2-135M, float32, 16-token blocks: all layers, K and V
+# The AppConfig fields every P/D app of these tests shares (one torch thread per process).
+PD_BASE = dict(
+    dtype="float32",
+    kv_cache_memory_bytes=32 << 20,
+    num_threads=1,
+    cpus_per_worker=1.0,
+    num_replicas=1,
+    prefill_replicas=1,
+    local_prefill_max_tokens=LOCAL_MAX,
+)
 
 
 @pytest.fixture(scope="package")
@@ -25,15 +35,7 @@ def pd_cluster():
     from router.config import AppConfig
 
     with local_serve() as url:
-        cfg = AppConfig(
-            dtype="float32",
-            kv_cache_memory_bytes=32 << 20,
-            num_threads=1,
-            cpus_per_worker=1.0,
-            num_replicas=1,
-            prefill_replicas=1,
-            local_prefill_max_tokens=LOCAL_MAX,
-        )
+        cfg = AppConfig(**PD_BASE)
         handle = run_app(cfg, APP, url)
         yield {"url": url, "handle": handle, "cfg": cfg}
 

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from engine import SamplingParams
+from tests.disagg.conftest import PD_BASE
 from tests.disagg.test_outputs import DOC
 from tests.net import free_port, wait_healthy
 
@@ -44,17 +45,11 @@ def two_pool_nodes():
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         cfg = AppConfig(
-            dtype="float32",
-            kv_cache_memory_bytes=16 << 20,
-            num_threads=1,
-            cpus_per_worker=1.0,
-            num_replicas=1,
+            **{**PD_BASE, "kv_cache_memory_bytes": 16 << 20},
             tensor_parallel_size=3,
             replica_resources={"decode_node": 1},
-            prefill_replicas=1,
             prefill_tensor_parallel_size=1,
             prefill_replica_resources={"prefill_node": 1},
-            local_prefill_max_tokens=16,
         )
         handle = serve.run(build_app(cfg), name="pd-nodes", route_prefix="/")
         url = f"http://127.0.0.1:{port}"

@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from engine import SamplingParams
-from tests.disagg.conftest import transfer_counters, wait_pools_idle
+from tests.disagg.conftest import PD_BASE, transfer_counters, wait_pools_idle
 from tests.disagg.test_outputs import DOC, _client, _complete
 
 pytestmark = pytest.mark.slow
@@ -27,15 +27,7 @@ def test_failed_transfers_follow_the_policy(pd_cluster, reference_llm, policy="f
     from tests.serve_cluster import run_app
 
     url = pd_cluster["url"]
-    cfg = AppConfig(
-        **{
-            **pd_cluster["cfg"].model_dump(include={"dtype", "kv_cache_memory_bytes", "num_threads", "cpus_per_worker"})
-        },
-        prefill_replicas=1,
-        local_prefill_max_tokens=16,
-        kv_transfer_failure=policy,
-        kv_transfer_timeout_s=0.001,
-    )
+    cfg = AppConfig(**PD_BASE, kv_transfer_failure=policy, kv_transfer_timeout_s=0.001)
     prefix = f"/{policy}"
     handle = run_app(cfg, f"pd-{policy}", url, route_prefix=prefix)
     try:

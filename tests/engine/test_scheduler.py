@@ -9,6 +9,7 @@ import random
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import ModelRunnerOutput
+from engine.kv_transfer.config import KVTransferConfig
 from engine.outputs import TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -411,3 +412,28 @@ def test_randomized_integrity_every_step():
         total_hits += st["prefix_cache_hits"]
     # The simulation must actually exercise preemption and prefix hits.
     assert total_preemptions > 0 and total_hits > 0
+
+
+def test_remote_kv_resume_waits_for_a_block():
+    """Decode side: a request whose remote KV arrived while the pool is full keeps its blocks
+    and waits at the head of the queue until its next block frees, then finishes normally."""
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024),
+        CacheConfig(block_size=BS),
+        6,
+        kv_transfer=KVTransferConfig("decode", local_prefill_max_tokens=0),
+    )
+    a = make_req("a", range(100, 109), max_tokens=2)  # KV of 8 tokens fetched: 2 full blocks
+    s.add_request(a)
+    step(s)
+    [load] = s.take_kv_loads()
+    assert load.num_tokens == 8 and s.kv_cache_manager.get_block_ids("a") == [0, 1]
+    s.add_request(make_req("b", range(200, 214), max_tokens=2, prompt_logprobs=1))  # local: 4 blocks
+    step(s)
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    s.remote_kv_done("a", loaded=True)
+    so, _ = step(s)  # a needs a 3rd block for its last prompt token: none is free
+    assert "a" not in so.num_scheduled_tokens and s.kv_cache_manager.get_block_ids("a") == [0, 1]
+    results = run_all(s)
+    assert results["a"]["tokens"] == [7, 7] and results["a"]["finish"] == "length"
+    assert all_free(s)

@@ -6,16 +6,14 @@ prefix cache holds no rejected token."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.spec_decode.draft_length import DraftLengthPolicy, StepCostModel
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_spec_decode import PROMPTS, _check_pool
+from tests.tiny_llama import save_tiny_llama
 
 KW = dict(dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory_bytes=16 << 20)
 PARAMS = [
@@ -27,30 +25,15 @@ PARAMS = [
 ]
 
 
-def _tiny_llama(path, smollm_dir, vocab_size: int):
-    """A random 2-layer Llama saved with transformers, with SmolLM2's tokenizer files."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm_dir / f, path / f)
-    return str(path)
+# A random 2-layer Llama (tests/tiny_llama.py) with SmolLM2's tokenizer files: the draft's shape.
+DRAFT = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def tiny_draft_dir(tmp_path_factory, smollm_dir):
-    return _tiny_llama(tmp_path_factory.mktemp("tiny-draft"), smollm_dir, 49152)
+    return str(
+        save_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), tokenizer_from=smollm_dir, vocab_size=49152, **DRAFT)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +133,7 @@ def test_preemption_abort_and_seeded_sampling(smollm_dir):
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path, smollm_dir):
-    other = _tiny_llama(tmp_path / "other-vocab", smollm_dir, 1000)
+    other = str(save_tiny_llama(tmp_path / "other-vocab", tokenizer_from=smollm_dir, vocab_size=1000, **DRAFT))
     with pytest.raises(InvalidRequestError, match="vocab"):
         LLM(speculative_config={"method": "draft", "model": other}, **KW)
     with pytest.raises(InvalidRequestError, match="model"):

@@ -12,7 +12,7 @@ import pytest
 
 from engine.model.text_side import materialise_text_side, text_side_files
 from tests.router.conftest import BASE
-from tests.workers.conftest import save_tiny_llama
+from tests.tiny_llama import save_tiny_llama
 
 MODEL = "tiny-model-on-engine-nodes-only"
 

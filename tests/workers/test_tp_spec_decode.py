@@ -16,23 +16,28 @@ pytestmark = pytest.mark.slow
 ARGS = dict(
     dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, enable_prefix_caching=True, num_threads=1
 )
+PARAMS = SamplingParams(temperature=0, max_tokens=24)
 
 
-def test_tp3_speculative_equals_tp1_without(ray_local):
-    params = SamplingParams(temperature=0, max_tokens=24)
+@pytest.fixture(scope="module")
+def expected():
+    """The greedy tokens at tp=1 without speculation, which both tests must reproduce."""
     base = EngineLLM(**ARGS)
     try:
-        expected = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in base.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
         base.shutdown()
+
+
+def test_tp3_speculative_equals_tp1_without(ray_local, expected):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}  # every draft verified
     llm = LLM(tensor_parallel_size=3, speculative_config=spec, **ARGS)
     try:
         # What an adaptive engine measures at start-up, here on the fresh pool: all ranks at once.
         table = llm.engine.core.executor.measure_step_costs(2, 3)
         assert {(b, k) for b in (1, 2) for k in range(4)} <= set(table) and min(table.values()) > 0, table
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]  # cache hits
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]  # cache hits
         stats = llm.stats()
         assert stats["blocks_used"] == 0
     finally:
@@ -41,20 +46,14 @@ def test_tp3_speculative_equals_tp1_without(ray_local):
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
 
 
-def test_tp3_with_self_drafting_equals_tp1_without(ray_local):
+def test_tp3_with_self_drafting_equals_tp1_without(ray_local, expected):
     """The draft (the target's first 8 layers, loaded at tp=1 in the engine's process, since
     the target's weights are sharded over three processes) proposes; the tp=3 target verifies."""
-    params = SamplingParams(temperature=0, max_tokens=24)
-    base = EngineLLM(**ARGS)
-    try:
-        expected = [o.outputs[0].token_ids for o in base.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        base.shutdown()
     spec = {"method": "self", "draft_layers": 8, "num_speculative_tokens": 3, "adaptive": False}
     llm = LLM(tensor_parallel_size=3, speculative_config=spec, **ARGS)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]  # cache hits
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]  # cache hits
         stats = llm.stats()
         draft = llm.engine.core.scheduler.drafting.draft_model
         assert stats["blocks_used"] == 0 and draft.num_blocks_used() == 0
