@@ -69,6 +69,9 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
         # running ones finish or move (drain_watch.py) before Serve kills it.
         graceful_shutdown_timeout_s=cfg.drain_timeout_s + DRAIN_MARGIN_S,
         graceful_shutdown_wait_loop_s=0.5,
+        # Its callers are the routers (submit, stats, the 2 s KV-event long poll): an access
+        # line per call buried the log; the ingress keeps the access log of client requests.
+        logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
             request_router_class="router.replica_choice.replica_choice:ReplicaChoice",
             request_router_kwargs=routing_kwargs(cfg),
