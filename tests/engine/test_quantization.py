@@ -67,6 +67,11 @@ def test_int8_weights_perplexity_within_one_percent_of_float32():
     assert abs(ppl_q / ppl_f - 1) < 0.01, (ppl_f, ppl_q)
 
 
+def test_quantization_off_cpu_is_refused_before_loading():
+    with pytest.raises(InvalidRequestError, match="runs on CPU"):
+        LLM(quantization="int8", device="cuda", dtype="float32", num_threads=1)
+
+
 def test_unknown_quantization_is_refused():
     with pytest.raises(InvalidRequestError, match="quantization must be one of"):
         LLM(quantization="int3", **ARGS)
