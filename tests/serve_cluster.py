@@ -43,3 +43,22 @@ def run_app(cfg: AppConfig, name: str, url: str, route_prefix: str = "/") -> Dep
     handle = serve.run(build_app(cfg), name=name, route_prefix=route_prefix)
     wait_healthy(url + route_prefix.rstrip("/"))
     return handle
+
+
+def assert_completions_equal(url: str, prompts: list[str], texts: list[str], max_tokens: int) -> None:
+    """Greedy /v1/completions for each prompt, plain and streamed, answer exactly `texts`."""
+    import json
+
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for prompt, want in zip(prompts, texts):
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                chunks = [
+                    json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"
+                ]
+            assert "".join(x["choices"][0]["text"] for x in chunks if x["choices"]) == want

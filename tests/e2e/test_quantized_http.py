@@ -5,14 +5,11 @@ capacity in tokens (about 3.9x the float32 pool's at the same bytes), and every 
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from engine import LLM, SamplingParams
 from tests.router.conftest import BASE, metrics
-from tests.serve_cluster import local_serve, run_app
+from tests.serve_cluster import assert_completions_equal, local_serve, run_app
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
@@ -36,16 +33,7 @@ def test_greedy_text_equals_offline_and_metrics_report_kv_tokens(quant_url):
         capacity = offline.stats()["kv_capacity_tokens"]
     finally:
         offline.shutdown()
-    with httpx.Client(base_url=quant_url, timeout=120) as c:
-        for prompt, w in zip(PROMPTS, want):
-            body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == w.outputs[0].text
-            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
-                chunks = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
-            text = "".join(json.loads(x)["choices"][0]["text"] for x in chunks if json.loads(x)["choices"])
-            assert text == w.outputs[0].text
+    assert_completions_equal(quant_url, PROMPTS, [w.outputs[0].text for w in want], 24)
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{quant_url}/v1", api_key="unused")

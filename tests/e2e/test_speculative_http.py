@@ -4,14 +4,11 @@ offline engine's exact text, and /metrics counts its drafts."""
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from engine import LLM, SamplingParams
 from tests.router.conftest import BASE, metrics
-from tests.serve_cluster import local_serve, run_app
+from tests.serve_cluster import assert_completions_equal, local_serve, run_app
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,"]
@@ -38,17 +35,7 @@ def offline_llm():
 
 def test_greedy_text_equals_offline_and_metrics_count_drafts(spec_url, offline_llm):
     want = offline_llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)
-    with httpx.Client(base_url=spec_url, timeout=120) as c:
-        for prompt, w in zip(PROMPTS, want):
-            body = {"prompt": prompt, "max_tokens": 32, "temperature": 0}
-            r = c.post("/v1/completions", json=body)
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == w.outputs[0].text
-            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
-                chunks = [ln[6:] for ln in s.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
-            assert "".join(json.loads(x)["choices"][0]["text"] for x in chunks if json.loads(x)["choices"]) == (
-                w.outputs[0].text
-            )
+    assert_completions_equal(spec_url, PROMPTS, [w.outputs[0].text for w in want], 32)
     m = metrics(spec_url)
     assert m["orbital:spec_decode_num_draft_tokens_total"] > 0
     assert m["orbital:spec_decode_num_accepted_tokens_total"] > 0

@@ -47,21 +47,21 @@ _LONG = ((1, 1), (15, 1), (16, 1), (47, 1), (100, 1), (0, 9), (12, 6))
 _PREFILL = ((5, 1), (0, 2), (0, 37), (21, 50), (64, 16), (3, 17))
 
 
+SHAPES = [  # (KV heads, GQA group, head_dim, block size, rows)
+    (2, 3, 16, 4, None),
+    (3, 3, 64, 16, _LONG),
+    (1, 4, 128, 8, _LONG),
+    (2, 1, 64, 32, _LONG),
+    (2, 2, 24, 16, _LONG),
+    (3, 3, 64, 16, _PREFILL),
+    (2, 4, 32, 8, _PREFILL),
+    (1, 2, 128, 16, _PREFILL),
+    (2, 3, 96, 4, _PREFILL),
+]
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize(
-    "hkv,g,d,bs,rows",
-    [
-        (2, 3, 16, 4, None),
-        (3, 3, 64, 16, _LONG),
-        (1, 4, 128, 8, _LONG),
-        (2, 1, 64, 32, _LONG),
-        (2, 2, 24, 16, _LONG),
-        (3, 3, 64, 16, _PREFILL),
-        (2, 4, 32, 8, _PREFILL),
-        (1, 2, 128, 16, _PREFILL),
-        (2, 3, 96, 4, _PREFILL),
-    ],
-)
+@pytest.mark.parametrize("hkv,g,d,bs,rows", SHAPES)
 def test_cpu_paged_kernel_matches_reference(dtype, tol, hkv, g, d, bs, rows):
     kernel = get_backend("cpu_paged")
     kernel.kernel = _Recording(kernel.kernel)

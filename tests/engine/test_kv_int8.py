@@ -6,15 +6,20 @@ hand-off moving the scales with the values (a float/int8 mismatch refused)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
-from engine.errors import InvalidRequestError
-from engine.kv_transfer import KVBlocks
-from tests.engine.test_kv_transfer import LONG, LONGER, SHORT, _assert_pools_whole, _run_pd, _same
-from tests.engine.test_quantization import PROMPTS, _perplexity, _text_ids
+from tests.engine.test_kv_transfer import (
+    LONG,
+    LONGER,
+    SHORT,
+    _assert_pools_whole,
+    _run_pd,
+    _same,
+    assert_other_dtype_refused,
+)
+from tests.engine.test_quantization import agreement, assert_hits_and_preemption_keep_tokens, quality
 
 ARGS = dict(num_threads=2, max_model_len=2048, max_num_batched_tokens=512)
 
@@ -39,22 +44,9 @@ def test_int8_holds_twice_bf16_and_four_times_float32_tokens_in_the_same_bytes()
 
 
 def test_int8_kv_perplexity_within_half_a_percent_of_the_float_cache():
-    params = SamplingParams(temperature=0, max_tokens=24)
-    results = {}
-    for kv in ("auto", "int8"):
-        llm = LLM(dtype="float32", kv_cache_dtype=kv, kv_cache_memory_bytes=256 << 20, **ARGS)
-        try:
-            ids = _text_ids(llm)
-            results[kv] = (
-                _perplexity(llm, ids),
-                [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)],
-            )
-            assert llm.stats()["blocks_used"] == 0
-        finally:
-            llm.shutdown()
-    (ppl_f, greedy_f), (ppl_q, greedy_q) = results["auto"], results["int8"]
-    pairs = [(a, b) for ga, gb in zip(greedy_f, greedy_q) for a, b in zip(ga, gb)]
-    agree = sum(a == b for a, b in pairs) / len(pairs)
+    kw = dict(dtype="float32", kv_cache_memory_bytes=256 << 20, **ARGS)
+    (ppl_f, greedy_f), (ppl_q, greedy_q) = (quality(kv_cache_dtype=kv, **kw) for kv in ("auto", "int8"))
+    agree = agreement(greedy_f, greedy_q)
     print(
         f"perplexity float KV {ppl_f:.4f}, int8 KV {ppl_q:.4f} ({ppl_q / ppl_f - 1:+.3%}); greedy agreement {agree:.0%}"
     )
@@ -62,24 +54,7 @@ def test_int8_kv_perplexity_within_half_a_percent_of_the_float_cache():
 
 
 def test_int8_kv_with_prefix_cache_hits_and_preemption_keeps_its_tokens():
-    shared = "A lighthouse keeper wrote in his log every night about the ships and the weather. "
-    prompts = [shared + p for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(dtype="float32", kv_cache_dtype="int8", num_threads=2, max_model_len=256)
-    try:
-        expected = [roomy.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    finally:
-        roomy.shutdown()
-    small = LLM(dtype="float32", kv_cache_dtype="int8", num_threads=2, num_blocks=12, block_size=16, max_model_len=256)
-    try:
-        small.generate(prompts[0], params, use_tqdm=False)  # leaves the shared prefix cached
-        got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
-        stats = small.stats()
-        small.engine.core.scheduler.check_integrity()
-    finally:
-        small.shutdown()
-    assert got == expected
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0, stats
+    assert_hits_and_preemption_keep_tokens(kv_cache_dtype="int8")
 
 
 def test_the_kv_dtype_salts_block_hashes_and_the_router_computes_the_same():
@@ -117,20 +92,7 @@ def test_int8_kv_hand_off_moves_the_scales_and_a_float_payload_is_refused():
         assert moved and all(blk.data.dtype == torch.int8 and blk.layout.dtype == "int8" for _, blk in moved)
         assert moved[0][1].data.shape[-1] == decode.engine.model_config.head_dim + 2  # values + scale
         _assert_pools_whole(decode, prefill)
-        # A float cache's payload into the int8 decode engine: refused, the request unharmed.
-        eng = decode.engine
-        decode.engine.core.scheduler.reset_prefix_cache()
-        rid = eng.add_request(None, LONGER + " Again:", SamplingParams(temperature=0, max_tokens=4))
-        eng.step()
-        [load] = eng.core.take_kv_loads()
-        good = eng.core.kv_layout
-        bad = type(good)(good.num_layers, good.num_kv_heads, good.head_dim, good.block_size, "float32")
-        shape = (good.num_layers, 2, good.num_kv_heads, load.num_blocks, good.block_size, good.head_dim)
-        with pytest.raises(InvalidRequestError, match="KV layouts differ"):
-            eng.core.load_kv(load.request_id, KVBlocks(bad, load.first_block, load.num_tokens, torch.zeros(shape)))
-        eng.abort_request(rid)
-        eng.step()
-        _assert_pools_whole(decode)
+        assert_other_dtype_refused(decode, "float32")  # a float cache's payload: refused
     finally:
         for llm in (colocated, prefill, decode):
             llm.shutdown()

@@ -9,7 +9,7 @@ import torch
 from engine.attn_metadata_builder import build_step_batch
 from engine.layers.attention.kv_int8 import dequantize_rows, quantize_rows, round_trip
 from engine.layers.attention.selector import get_backend
-from tests.engine.test_attention_backends import _LONG, _PREFILL, _batch, _Recording
+from tests.engine.test_attention_backends import SHAPES, _batch, _Recording
 
 
 def test_rows_round_trip_within_half_a_step_and_keep_zeros():
@@ -27,18 +27,7 @@ def test_rows_round_trip_within_half_a_step_and_keep_zeros():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize(
-    "hkv,g,d,bs,rows",
-    [
-        (2, 3, 16, 4, None),
-        (3, 3, 64, 16, _LONG),
-        (1, 4, 128, 8, _LONG),
-        (2, 2, 24, 16, _LONG),
-        (3, 3, 64, 16, _PREFILL),
-        (2, 4, 32, 8, _PREFILL),
-        (2, 3, 96, 4, _PREFILL),
-    ],
-)
+@pytest.mark.parametrize("hkv,g,d,bs,rows", SHAPES)
 def test_cpu_ops_read_and_write_the_int8_cache_as_the_reference_does(dtype, tol, hkv, g, d, bs, rows):
     kernel = get_backend("cpu_paged")
     kernel.kernel = _Recording(kernel.kernel)

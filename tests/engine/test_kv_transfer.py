@@ -187,17 +187,24 @@ def test_abort_while_waiting_and_late_kv(prefill, decode):
     _assert_pools_whole(decode, prefill)
 
 
-def test_mismatched_layout_is_refused(decode):
+def assert_other_dtype_refused(decode: LLM, dtype: str) -> None:
+    """A payload of a cache in `dtype` for a long prompt's load: refused with a clear error; the
+    request, aborted, leaves the pool whole."""
     decode.engine.core.scheduler.reset_prefix_cache()
     eng = decode.engine
     rid = eng.add_request(None, LONGER + " Mismatch:", SamplingParams(temperature=0, max_tokens=4))
     eng.step()
     [load] = eng.core.take_kv_loads()
     good = eng.core.kv_layout
-    bad = KVLayout(good.num_layers, good.num_kv_heads, good.head_dim, good.block_size, "bfloat16")
-    shape = (good.num_layers, 2, good.num_kv_heads, load.num_blocks, good.block_size, good.head_dim)
+    bad = KVLayout(good.num_layers, good.num_kv_heads, good.head_dim, good.block_size, dtype)
+    shape = (good.num_layers, 2, good.num_kv_heads, load.num_blocks, good.block_size, bad.row_width)
     with pytest.raises(InvalidRequestError, match="KV layouts differ"):
         eng.core.load_kv(load.request_id, KVBlocks(bad, load.first_block, load.num_tokens, torch.zeros(shape)))
     eng.abort_request(rid)
     eng.step()
     _assert_pools_whole(decode)
+
+
+def test_mismatched_layout_is_refused(decode):
+    assert_other_dtype_refused(decode, "bfloat16")
+    assert_other_dtype_refused(decode, "int8")

@@ -46,23 +46,29 @@ def _perplexity(llm: LLM, ids: list[int]) -> float:
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Water boils at", "List three colors:"]
 
 
+def quality(**llm_kwargs) -> tuple[float, list[list[int]]]:
+    """An engine's perplexity on the fixed text and its greedy tokens for PROMPTS (24 each);
+    its pool is whole after."""
+    llm = LLM(**llm_kwargs)
+    try:
+        ppl = _perplexity(llm, _text_ids(llm))
+        params = SamplingParams(temperature=0, max_tokens=24)
+        greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert llm.stats()["blocks_used"] == 0
+        return ppl, greedy
+    finally:
+        llm.shutdown()
+
+
+def agreement(greedy_a: list[list[int]], greedy_b: list[list[int]]) -> float:
+    pairs = [(a, b) for ga, gb in zip(greedy_a, greedy_b) for a, b in zip(ga, gb)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
 def test_int8_weights_perplexity_within_one_percent_of_float32():
-    params = SamplingParams(temperature=0, max_tokens=24)
-    results = {}
-    for q in (None, "int8"):
-        llm = LLM(quantization=q, **ARGS)
-        try:
-            ids = _text_ids(llm)
-            results[q] = (
-                _perplexity(llm, ids),
-                [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)],
-            )
-            assert llm.stats()["blocks_used"] == 0
-        finally:
-            llm.shutdown()
+    results = {q: quality(quantization=q, **ARGS) for q in (None, "int8")}
     (ppl_f, greedy_f), (ppl_q, greedy_q) = results[None], results["int8"]
-    pairs = [(a, b) for ga, gb in zip(greedy_f, greedy_q) for a, b in zip(ga, gb)]
-    agree = sum(a == b for a, b in pairs) / len(pairs)
+    agree = agreement(greedy_f, greedy_q)
     print(f"perplexity float32 {ppl_f:.3f}, int8 {ppl_q:.3f} ({ppl_q / ppl_f - 1:+.2%}); greedy agreement {agree:.0%}")
     assert abs(ppl_q / ppl_f - 1) < 0.01, (ppl_f, ppl_q)
 
@@ -80,19 +86,27 @@ def test_unknown_quantization_is_refused():
 def test_int8_with_prefix_cache_hits_and_preemption_keeps_its_tokens():
     """The same int8 engine's greedy tokens, alone with a roomy pool, then again in a batch that
     hits the prefix cache and a pool small enough to preempt: identical."""
+    assert_hits_and_preemption_keep_tokens(quantization="int8")
+
+
+def assert_hits_and_preemption_keep_tokens(**llm_kwargs) -> None:
+    """Greedy tokens of an engine built with `llm_kwargs`: each prompt alone on a roomy pool,
+    then all at once on a 12-block pool holding their shared prefix (hits, preemption): equal,
+    and the small pool whole after."""
     shared = "A lighthouse keeper wrote in his log every night about the ships and the weather. "
     prompts = [shared + p for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(quantization="int8", **ARGS)
+    roomy = LLM(dtype="float32", num_threads=2, max_model_len=256, kv_cache_memory_bytes=64 << 20, **llm_kwargs)
     try:
         expected = [roomy.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     finally:
         roomy.shutdown()
-    small = LLM(quantization="int8", dtype="float32", num_threads=2, num_blocks=12, block_size=16, max_model_len=256)
+    small = LLM(dtype="float32", num_threads=2, num_blocks=12, block_size=16, max_model_len=256, **llm_kwargs)
     try:
         small.generate(prompts[0], params, use_tqdm=False)  # leaves the shared prefix cached
         got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
         stats = small.stats()
+        small.engine.core.scheduler.check_integrity()
     finally:
         small.shutdown()
     assert got == expected

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.layers.quant.int4 import dequantize_int4, group_size_for, int4_linear, quantize_int4
-from tests.engine.test_quantization import ARGS, PROMPTS, _perplexity, _text_ids
+from tests.engine.test_quantization import ARGS, agreement, assert_hits_and_preemption_keep_tokens, quality
 
 # Relative error of the quantized linear against the float weight's: 4-bit values over a group
 # (random normal weights: ~8% at g32 up to ~10% at g128); bf16 activations add ~0.3%.
@@ -45,24 +45,11 @@ def test_group_size_falls_back_to_one_that_divides():
 
 
 def test_int4_and_gguf_perplexity_within_bounds_of_float32():
-    params = SamplingParams(temperature=0, max_tokens=24)
-    results = {}
-    for q in (None, *PPL_BOUND):
-        llm = LLM(quantization=q, **ARGS)
-        try:
-            ids = _text_ids(llm)
-            results[q] = (
-                _perplexity(llm, ids),
-                [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)],
-            )
-            assert llm.stats()["blocks_used"] == 0
-        finally:
-            llm.shutdown()
+    results = {q: quality(quantization=q, **ARGS) for q in (None, *PPL_BOUND)}
     ppl_f, greedy_f = results[None]
     for q, bound in PPL_BOUND.items():
         ppl_q, greedy_q = results[q]
-        pairs = [(a, b) for ga, gb in zip(greedy_f, greedy_q) for a, b in zip(ga, gb)]
-        agree = sum(a == b for a, b in pairs) / len(pairs)
+        agree = agreement(greedy_f, greedy_q)
         print(
             f"{q}: perplexity {ppl_q:.3f} vs float32 {ppl_f:.3f} ({ppl_q / ppl_f - 1:+.2%}); greedy agreement {agree:.0%}"
         )
@@ -71,25 +58,7 @@ def test_int4_and_gguf_perplexity_within_bounds_of_float32():
 
 @pytest.mark.parametrize("quantization", ["int4", "gguf"])
 def test_int4_with_prefix_cache_hits_and_preemption_keeps_its_tokens(quantization):
-    shared = "A lighthouse keeper wrote in his log every night about the ships and the weather. "
-    prompts = [shared + p for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(quantization=quantization, **ARGS)
-    try:
-        expected = [roomy.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    finally:
-        roomy.shutdown()
-    small = LLM(
-        quantization=quantization, dtype="float32", num_threads=2, num_blocks=12, block_size=16, max_model_len=256
-    )
-    try:
-        small.generate(prompts[0], params, use_tqdm=False)
-        got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
-        stats = small.stats()
-    finally:
-        small.shutdown()
-    assert got == expected
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0, stats
+    assert_hits_and_preemption_keep_tokens(quantization=quantization)
 
 
 def test_gguf_needs_a_gguf_model(tmp_path):
