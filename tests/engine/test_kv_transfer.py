@@ -208,3 +208,21 @@ def assert_other_dtype_refused(decode: LLM, dtype: str) -> None:
 def test_mismatched_layout_is_refused(decode):
     assert_other_dtype_refused(decode, "bfloat16")
     assert_other_dtype_refused(decode, "int8")
+
+
+def test_speculative_decoding_on_the_decode_pool(colocated, prefill):
+    """A decode engine that drafts (n-gram, always k=4) takes remote KV as any other: greedy text
+    equals the colocated engine's without speculation, drafts were verified, pools whole."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    decode = _llm(kv_transfer_config={"role": "decode", "local_prefill_max_tokens": LOCAL_MAX}, speculative_config=spec)
+    try:
+        prompts = [LONG, LONGER + " Repeat the first sentence exactly:", SHORT]
+        params = [SamplingParams(temperature=0, max_tokens=24) for _ in prompts]
+        expected = colocated.generate(prompts, params, use_tqdm=False)
+        got, moved = _run_pd(decode, prefill, prompts, params)
+        for a, b in zip(got, expected):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
+        assert len(moved) == 2 and decode.stats()["spec_num_draft_tokens"] > 0
+        _assert_pools_whole(decode, prefill)
+    finally:
+        decode.shutdown()
