@@ -7,10 +7,13 @@ torch and transformers.
 import importlib as _importlib
 import os as _os
 
-# Idle OpenMP threads sleep instead of spinning: with several replicas (or Ray actors) on few
-# cores, spinning threads starve the busy ones (measured 4x slower matmuls here). Only takes
-# effect when torch has not been imported yet; set it in the environment to be sure.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP threads spin ~20 us, then sleep. A decode step is hundreds of short parallel
+# regions: with passive waits (sleep at once) each one pays a futex wake-up, and a one-row step
+# took 1.8x as long (19.2 vs 10.6 ms, 4-bit SmolLM2, 2 threads); unbounded spinning starves other
+# processes sharing the cores. `python -m bench.bench_omp_wait` measures the three. A user's own
+# OMP_WAIT_POLICY wins. Read when libgomp loads: must precede the first torch import.
+if "OMP_WAIT_POLICY" not in _os.environ:
+    _os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 _EXPORTS = {
     "LLM": "engine.llm",

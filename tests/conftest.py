@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP
+import engine  # noqa: F401 - OpenMP's wait defaults (engine/__init__.py) before torch loads it
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# isort: split
+import pytest
+import torch
 
 # Several agents/replicas on 2 cores: keep each process explicit and small.
 torch.set_num_threads(int(os.environ.get("ORBITAL_TEST_THREADS", "2")))

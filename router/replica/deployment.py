@@ -28,14 +28,11 @@ import os
 import time
 from typing import AsyncIterator
 
-# As engine/__init__ does: idle OpenMP threads sleep instead of spinning (several replicas on
-# few cores). Must precede the first torch import in this worker process.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+import engine  # noqa: F401 - sets OpenMP's wait policy before the first torch import here
 from engine.async_engine import AsyncEngine
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError

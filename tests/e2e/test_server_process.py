@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 def server(tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ)
     proc = subprocess.Popen(
         [
             sys.executable,
