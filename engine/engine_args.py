@@ -28,6 +28,10 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     served_model_name: str | None = None
     num_threads: int | None = None
+    # CPU: steps of at most this many tokens run on one thread fewer, leaving a core to the
+    # processes that stream each token out (engine/step_threads.py); 0: never. The serving
+    # layer turns it on; offline there is nobody to leave the core to.
+    spare_core_max_tokens: int = 0
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
     # Speculative decoding, off by default: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": ..} or "ngram:k" (engine/spec_decode/config.py).

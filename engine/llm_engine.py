@@ -24,6 +24,7 @@ from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
+from engine.step_threads import StepThreads
 
 
 class LLMEngine:
@@ -69,8 +70,11 @@ class LLMEngine:
             from engine.spec_decode.draft_source import build_draft_proposer
 
             draft = build_draft_proposer(spec, self.model_config, cache, args.max_num_seqs, args.device, executor)
+        threads = None
+        if torch.device(args.device).type == "cpu" and args.spare_core_max_tokens > 0:
+            threads = StepThreads(torch.get_num_threads(), args.spare_core_max_tokens)
         self.core = EngineCore(
-            sched, cache, executor, spec, KVTransferConfig.from_value(args.kv_transfer_config), draft
+            sched, cache, executor, spec, KVTransferConfig.from_value(args.kv_transfer_config), draft, threads
         )
         from transformers import AutoTokenizer
 

@@ -150,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         "draft:k:/local/draft-model (draft length adapts per request and load)",
     )
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
+    s.add_argument(
+        "--spare-core-max-tokens",
+        type=int,
+        default=_d("spare_core_max_tokens"),
+        help="CPU: steps of at most this many tokens run on one thread fewer, leaving a core to the processes "
+        "that stream tokens out (0: never)",
+    )
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     s.add_argument(
         "--address",
@@ -250,6 +257,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         speculative=a.speculative,
         num_threads=a.threads or max(1, int(cpus)),
+        spare_core_max_tokens=a.spare_core_max_tokens,
         cpus_per_worker=cpus,
         max_queued_requests=a.max_queued_requests,
         routing=a.routing,

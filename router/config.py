@@ -92,6 +92,12 @@ class AppConfig(BaseModel):
         "draft_quantization, draft_num_blocks} (None = off).",
     )
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
+    spare_core_max_tokens: int = Field(
+        4,
+        ge=0,
+        description="CPU: engine steps of at most this many tokens run on one thread fewer, leaving a core to the "
+        "processes that stream tokens out (one stream on 2 cores: 20.9 -> 16.6 ms per token); 0 = never.",
+    )
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
     replica_resources: dict[str, float] | None = Field(
@@ -347,4 +353,5 @@ class AppConfig(BaseModel):
             "tensor_parallel_size": self.tensor_parallel_size,
             "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
+            "spare_core_max_tokens": self.spare_core_max_tokens,
         }

@@ -17,6 +17,7 @@ from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_length import StepCostModel
 from engine.stats import EngineStats
+from engine.step_threads import StepThreads
 
 if TYPE_CHECKING:
     from engine.spec_decode.draft_model import DraftModelProposer
@@ -31,8 +32,10 @@ class EngineCore:
         spec_config: SpeculativeConfig | None = None,
         kv_transfer: KVTransferConfig | None = None,
         draft_model: DraftModelProposer | None = None,
+        step_threads: StepThreads | None = None,
     ) -> None:
         self.executor = executor
+        self.step_threads = step_threads
         cost = None
         if spec_config is not None and spec_config.adaptive:
             # The verify step's cost on this machine, before any request uses the KV pool.
@@ -64,6 +67,8 @@ class EngineCore:
         self.publish_kv_events()
         if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
             return self.scheduler.update_from_output(so, _EMPTY)
+        if self.step_threads is not None:
+            self.step_threads.apply(so.total_num_scheduled_tokens)
         t0 = time.perf_counter()
         mro = self.executor.execute_model(so)
         self.scheduler.observe_step_time(so, time.perf_counter() - t0)
