@@ -1,0 +1,67 @@
+"""Orbital's server with and without a spare core for small steps (engine/step_threads.py), side
+by side over HTTP at concurrency 1 to 16.
+
+    python -m bench.bench_spare_core [--quantization gguf] [--rounds 2]
+
+One `orbital serve` at a time on this machine (two Ray clusters would share the cores): per
+round, the server with `--spare-core-max-tokens 4` (the default) and then with 0 each start,
+run every level, and stop. Same client (`loadtest`), greedy, outputs capped at `--max-output`,
+32 mixed requests (4 at concurrency 1). Medians over rounds, and the ratio spare / none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+from bench.bench_llamacpp import free_port, measure, specs_for
+from loadtest.server import ServerProcess
+from loadtest.tokens import load_counter
+
+SETTINGS = {"spare core (4)": 4, "no spare core": 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quantization", default="gguf", help="Orbital's weights ('none' for the model dtype)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--levels", default="1,2,4,8,16")
+    p.add_argument("--max-output", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args(argv)
+    specs = specs_for("mixed", 32, a.max_output, load_counter("smollm2"), 0)
+    levels = [int(x) for x in a.levels.split(",")]
+    quant = "" if a.quantization == "none" else f" --quantization {a.quantization}"
+    results: dict[tuple[str, int], list[dict]] = {}
+    for r in range(a.rounds):
+        for name, spare in SETTINGS.items():
+            port = free_port()
+            cmd = (
+                f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {port} --threads {a.threads} "
+                f"--dtype {a.dtype}{quant} --spare-core-max-tokens {spare}"
+            )
+            url = f"http://127.0.0.1:{port}"
+            with ServerProcess(cmd, url, log_path="/tmp/bench_spare_core.log"):
+                measure(specs[:4], url, None)  # warm-up
+                for lv in levels:
+                    m = measure(specs[:4] if lv == 1 else specs, url, lv)
+                    results.setdefault((name, lv), []).append(m)
+                    print(f"round {r} {name} c{lv}: {m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50']:.1f} ms", flush=True)
+    print(f"\n{a.quantization} weights, {a.threads} threads, medians of {a.rounds} rounds\n")
+    print("| concurrency | " + " | ".join(f"{n}: tok/s, ITL p50 ms" for n in SETTINGS) + " | tok/s ratio |")
+    print("|---|" + "---|" * (len(SETTINGS) + 1))
+    for lv in levels:
+        med = {
+            n: {k: statistics.median(m[k] for m in results[(n, lv)]) for k in ("tok_s", "itl_p50")} for n in SETTINGS
+        }
+        cells = [f"{med[n]['tok_s']:.1f}, {med[n]['itl_p50']:.1f}" for n in SETTINGS]
+        first, second = (med[n]["tok_s"] for n in SETTINGS)
+        print(f"| c{lv} | " + " | ".join(cells) + f" | {first / second:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
