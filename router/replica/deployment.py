@@ -32,7 +32,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-import engine  # noqa: F401 - sets OpenMP's wait policy before the first torch import here
+# The first torch import in this process; the `engine` package sets OpenMP's wait defaults before it.
 from engine.async_engine import AsyncEngine
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, InvalidRequestError
