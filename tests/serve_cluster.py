@@ -45,6 +45,20 @@ def run_app(cfg: AppConfig, name: str, url: str, route_prefix: str = "/") -> Dep
     return handle
 
 
+@contextmanager
+def serve_app(name: str, num_cpus: int = 8, **config) -> Iterator[dict]:
+    """`local_serve` with one Orbital app of `AppConfig(**config)` deployed and healthy: yields
+    {"url", "handle", "cfg"}; everything is shut down when the block ends."""
+    import pytest
+
+    pytest.importorskip("ray")
+    from router.config import AppConfig
+
+    with local_serve(num_cpus) as url:
+        cfg = AppConfig(**config)
+        yield {"url": url, "handle": run_app(cfg, name, url), "cfg": cfg}
+
+
 def assert_completions_equal(url: str, prompts: list[str], texts: list[str], max_tokens: int) -> None:
     """Greedy /v1/completions for each prompt, plain and streamed, answer exactly `texts`."""
     import json

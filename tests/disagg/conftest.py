@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.router.conftest import metrics
-from tests.serve_cluster import local_serve, run_app
+from tests.serve_cluster import serve_app
 
 APP = "pd"
 LOCAL_MAX = 16
@@ -31,13 +31,8 @@ PD_BASE = dict(
 
 @pytest.fixture(scope="package")
 def pd_cluster():
-    pytest.importorskip("ray")
-    from router.config import AppConfig
-
-    with local_serve() as url:
-        cfg = AppConfig(**PD_BASE)
-        handle = run_app(cfg, APP, url)
-        yield {"url": url, "handle": handle, "cfg": cfg}
+    with serve_app(APP, **PD_BASE) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="package")

@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.router.conftest import BASE, metrics
-from tests.serve_cluster import assert_completions_equal, local_serve, run_app
+from tests.serve_cluster import assert_completions_equal, serve_app
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
@@ -18,12 +18,8 @@ QUANT = dict(quantization="int8", kv_cache_dtype="int8")
 
 @pytest.fixture(scope="module")
 def quant_url():
-    pytest.importorskip("ray")
-    from router.config import AppConfig
-
-    with local_serve(num_cpus=4) as url:
-        run_app(AppConfig(**BASE, num_replicas=1, **QUANT), "quant", url)
-        yield url
+    with serve_app("quant", num_cpus=4, **BASE, num_replicas=1, **QUANT) as cluster:
+        yield cluster["url"]
 
 
 def test_greedy_text_equals_offline_and_metrics_report_kv_tokens(quant_url):

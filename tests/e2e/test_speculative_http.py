@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.router.conftest import BASE, metrics
-from tests.serve_cluster import assert_completions_equal, local_serve, run_app
+from tests.serve_cluster import assert_completions_equal, serve_app
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,"]
@@ -17,13 +17,9 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,"]
 @pytest.fixture(scope="module")
 def spec_url():
     """One app, one engine replica, on its own local Ray + Serve (shut down after)."""
-    pytest.importorskip("ray")
-    from router.config import AppConfig
-
     spec = {"method": "self", "draft_layers": 8, "num_speculative_tokens": 3, "adaptive": False}
-    with local_serve(num_cpus=4) as url:
-        run_app(AppConfig(**BASE, num_replicas=1, speculative=spec), "spec", url)
-        yield url
+    with serve_app("spec", num_cpus=4, **BASE, num_replicas=1, speculative=spec) as cluster:
+        yield cluster["url"]
 
 
 @pytest.fixture(scope="module")

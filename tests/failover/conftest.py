@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.router.conftest import metrics
-from tests.serve_cluster import local_serve, run_app
+from tests.serve_cluster import serve_app
 
 APP = "failover"
 MAX_TOKENS = 64
@@ -22,20 +22,16 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="package")
 def failover_cluster():
-    pytest.importorskip("ray")
-    from router.config import AppConfig
-
-    with local_serve() as url:
-        cfg = AppConfig(
-            dtype="float32",
-            kv_cache_memory_bytes=32 << 20,
-            num_threads=1,
-            cpus_per_worker=1.0,
-            num_replicas=4,
-            drain_timeout_s=3.0,
-        )
-        handle = run_app(cfg, APP, url)
-        yield {"url": url, "handle": handle, "cfg": cfg}
+    with serve_app(
+        APP,
+        dtype="float32",
+        kv_cache_memory_bytes=32 << 20,
+        num_threads=1,
+        cpus_per_worker=1.0,
+        num_replicas=4,
+        drain_timeout_s=3.0,
+    ) as cluster:
+        yield cluster
 
 
 def migrations(url: str) -> tuple[float, float]:

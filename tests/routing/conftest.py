@@ -5,25 +5,21 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serve_cluster import local_serve, run_app
+from tests.serve_cluster import serve_app
 
 APP = "cache"
 
 
 @pytest.fixture(scope="package")
 def cache_cluster():
-    pytest.importorskip("ray")
-    from router.config import AppConfig
-
-    with local_serve() as url:
-        cfg = AppConfig(
-            dtype="float32",
-            kv_cache_memory_bytes=16 << 20,
-            num_threads=1,
-            cpus_per_worker=1.0,
-            num_replicas=3,
-            routing="cache-aware",
-            max_num_seqs=16,
-        )
-        handle = run_app(cfg, APP, url)
-        yield {"url": url, "handle": handle, "cfg": cfg}
+    with serve_app(
+        APP,
+        dtype="float32",
+        kv_cache_memory_bytes=16 << 20,
+        num_threads=1,
+        cpus_per_worker=1.0,
+        num_replicas=3,
+        routing="cache-aware",
+        max_num_seqs=16,
+    ) as cluster:
+        yield cluster
