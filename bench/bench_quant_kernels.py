@@ -1,7 +1,10 @@
 """Quantized-weight kernels over one decode step's linears of the embedded model (every layer's
 qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights come from
-memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), the int4 kernel
-with float32 and with bfloat16 activations, and dequantize + float32 GEMM. Median ms per step.
+memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), PyTorch's int4
+kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4_linear.cpp, up
+to its 4 rows; bf16 activations; with PyTorch's bf16 scales as int4_linear runs it, and with the
+exact ones: float16 as a GGUF's are, float32 as int4 from float weights has them), and
+dequantize + float32 GEMM. Median ms per step.
 
     python -m bench.bench_quant_kernels --group 32 --rows 1 4 16 32 64 128 256
 """
@@ -14,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.timing import median_time
+from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.quant.int4 import dequantize_int4, quantize_int4
+from engine.layers.quant.int4 import dequantize_int4, pack_int4, pack_layout, quantize_int4, unpack_nibbles
 from engine.layers.quant.int8 import int8_linear, quantize_int8
 
 
@@ -32,7 +36,9 @@ def main(argv=None) -> None:
     packed = [pack_weight(w) for w in ws]
     i8 = [quantize_int8(w) for w in ws]
     i4 = [quantize_int4(w, a.group) for w in ws]
+    i4_f16 = [f16_scales(w) for w in i4]
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    ops = load_cpu_ops()
     for m in a.rows:
         xs = {k: torch.randn(m, k) for k in (576, 1536)}
         xb = {k: x.bfloat16() for k, x in xs.items()}
@@ -48,13 +54,38 @@ def main(argv=None) -> None:
         }
         if m <= 4:
             r["int4 f32 act"] = median_time(
-                lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros) for w, (n, k) in zip(i4, shapes)], 1
+                lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros_bf16.float()) for w, (n, k) in zip(i4, shapes)],
+                1,
             )
+            outs = [torch.empty(m, n, dtype=torch.bfloat16) for n, k in shapes]
+            block = pack_layout()[1]
+            columns = {  # the op's scales: PyTorch's bf16 pairs (what int4_linear passes), exact ones
+                "int4 op (int4_linear)": (i4, "scales_zeros_bf16"),
+                "int4 op f16 scales": (i4_f16, "scale_min"),
+                "int4 op f32 scales": (i4, "scale_min"),
+            }
+            for name, (weights, attr) in columns.items():
+                op = ops.int4_small_linear if ops is not None else None
+                if op is not None and op(xb[576], weights[0], getattr(weights[0], attr), a.group, block, None, outs[0]):
+                    r[name] = median_time(
+                        lambda ws=weights, at=attr: [
+                            op(xb[k], w, getattr(w, at), a.group, block, None, o)
+                            for w, (n, k), o in zip(ws, shapes, outs)
+                        ],
+                        a.reps,
+                    )
         if m >= 16:
             r["dequant+f32"] = median_time(
                 lambda: [F.linear(xs[k], dequantize_int4(w)) for w, (n, k) in zip(i4, shapes)], 3
             )
         print(f"rows {m}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items()), flush=True)
+
+
+def f16_scales(w: torch.Tensor) -> torch.Tensor:
+    """The same int4 weight with float16 scales and mins (as a GGUF's), which it then stores so."""
+    n = w.out_features
+    scale, minimum = (t.t()[:n].half().float() for t in w.scale_min)
+    return pack_int4(unpack_nibbles(w.data)[:n], scale, minimum, w.group_size)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """A rank's quantized weights saved once, so the next start with the same settings skips
 quantizing (or decoding GGUF blocks): safetensors under the cache root, keyed by the source
-weights' identity (paths, sizes, mtimes), the quantization, the dtype and the TP rank/size.
+weights' identity (paths, sizes, mtimes), the quantization, the dtype, the TP rank/size, and
+the pack's device (on CPU, PyTorch's pack layout, which differs between AVX-512 and AVX2).
 """
 
 from __future__ import annotations
@@ -16,13 +17,28 @@ from torch import nn
 from engine.layers.quant import is_quantized
 from engine.model.gguf_convert import cache_root
 
-FORMAT = 2  # bump when what a quantization produces changes
-_ATTRS = ("scale", "scale_bf16", "scales_zeros", "scales_zeros_bf16")  # tensors that travel with a quantized weight
+FORMAT = 3  # bump when what a quantization produces changes (3: CPU int4's scale_min)
+_ATTRS = (
+    "scale",
+    "scale_bf16",
+    "scale_min",
+    "scales_zeros",
+    "scales_zeros_bf16",
+    "rows",
+)  # tensors that travel with a quantized weight
 _META = ("group_size", "two_nibbles", "out_features")
 
 
-def cache_path(sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int) -> Path:
+def cache_path(
+    sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int, device: str = "cpu"
+) -> Path:
     ident = [FORMAT, quantization, str(dtype), tp_rank, tp_size]
+    if device == "cpu":  # PyTorch's CPU int4 pack is laid out per its vector code (int4.pack_layout)
+        from engine.layers.quant.int4 import pack_layout
+
+        ident.append(list(pack_layout()))
+    else:  # CUDA's int4 pack is another layout again
+        ident.append(device)
     for f in sources:
         st = f.stat()
         ident.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
@@ -67,7 +83,8 @@ def load(model: nn.Module, path: Path) -> None:
     """Fill a freshly built (unloaded) model from `save`'s file."""
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    device = next(model.parameters()).device
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
         meta = json.loads(f.metadata()["orbital_quantized"])
         keys = set(f.keys())
         for mname, module in list(model.named_modules()):

@@ -19,6 +19,7 @@ KERNEL_TESTS = [
     "tests/engine/test_kv_int8_kernels.py",
     "tests/engine/test_fused_elementwise.py",
     "tests/engine/test_small_linear.py",
+    "tests/engine/test_int4_small_linear.py",
     "tests/engine/test_sampler.py",
 ]
 

@@ -1,5 +1,5 @@
 // The CPU ops module: paged decode and prefill attention (paged_decode.cpp, prefill_attention.cpp),
-// the few-row linear of low-concurrency decode (small_linear.cpp),
+// the few-row linears of low-concurrency decode (small_linear.cpp, int4_linear.cpp),
 // the paged cache write (kv_write.cpp), the greedy row argmax (argmax.cpp) and the fused
 // RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), built once per source version
 // by engine/kernels/cpu_ops.py.
@@ -17,6 +17,8 @@ bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 bool silu_and_mul(torch::Tensor x, torch::Tensor out);
 bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out);
+bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
+                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 
 // Which vector path this build has (benchmarks and tests report it).
@@ -42,5 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over [gate | up] rows; false if not applicable");
   m.def("rotary", &rotary, "in place neox rotary embedding of the first heads of each row; false if not applicable");
   m.def("small_linear", &small_linear, "out = x . w^T + bias for a few rows (float32/bf16 weights); false if not applicable");
+  m.def("int4_small_linear", &int4_small_linear,
+        "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable");
   m.def("isa", &isa, "vector path compiled in");
 }

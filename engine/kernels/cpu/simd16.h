@@ -2,7 +2,8 @@
 // AVX-512, two __m256 on AVX2 + FMA. The kernels are written once against it, with the same
 // 16-token tiles and packed layouts on both; only the primitives below differ. ORBITAL_SIMD16
 // is defined where either exists (else the ops decline and PyTorch's path runs).
-// Also: a vectorized exp for softmax, loads/stores of float32 or bfloat16 rows, bf16 rounding.
+// Also: a vectorized exp for softmax, loads/stores of float32 or bfloat16 rows, bf16 rounding,
+// float16 and bfloat16-pair loads and the nibbles of packed int4 weights as float32.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -67,6 +68,22 @@ static inline F16 from_bf16(const void* p) {
 // 16 int8 values (an int8 KV row) as float32.
 static inline F16 from_i8(const void* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p))))};
+}
+// 16 float16 values as float32.
+static inline F16 from_f16(const void* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)))};
+}
+// 16 pairs of bfloat16 as float32: a = the first of each pair, b = the second.
+static inline void from_bf16_pairs(const void* p, F16& a, F16& b) {
+  const __m512i v = _mm512_loadu_si512(p);
+  a = {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16))};
+  b = {_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+}
+// 16 bytes of packed nibbles (int4 weights) as float32: lo = the low nibbles, hi = the high ones.
+static inline void from_nibbles(const void* p, F16& lo, F16& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
+  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
 }
 // Weights streamed once (few-row linear): AVX2 splits them into even and odd elements, see
 // there; one zmm needs no split, so the order is the natural one.
@@ -197,6 +214,25 @@ static inline F16 from_bf16(const void* p) {
 static inline F16 from_i8(const void* p) {
   const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))};
+}
+static inline F16 from_f16(const void* p) {
+  const __m128i* q = static_cast<const __m128i*>(p);
+  return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+}
+static inline void from_bf16_pairs(const void* p, F16& a, F16& b) {
+  const __m256i* q = static_cast<const __m256i*>(p);
+  const __m256i v0 = _mm256_loadu_si256(q), v1 = _mm256_loadu_si256(q + 1);
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  a = {_mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16))};
+  b = {_mm256_castsi256_ps(_mm256_and_si256(v0, hi)), _mm256_castsi256_ps(_mm256_and_si256(v1, hi))};
+}
+static inline void from_nibbles(const void* p, F16& lo, F16& hi) {
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 8)));
+  const __m256i m = _mm256_set1_epi32(15);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, m))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
 }
 // 16 bf16 weights as float32 with the even-indexed ones in .lo and the odd-indexed in .hi: one
 // 32-byte load, a shift and a mask, no widening shuffles (the few-row linear streams weights and

@@ -8,22 +8,38 @@ group, so z = min + 8 * scale (scale and z in bfloat16, as are the activations i
 A "two_nibbles" weight carries 8-bit values as two nibbles (Q8_0: q = 16 * hi + lo), side by side
 along the input dimension, so one int4 call over [x, x] computes it exactly: the hi half has
 scale 16 * d and min -128 * d, the lo half scale d and min 0.
+
+At a few rows (decode at low concurrency) the C++ op `int4_small_linear` (kernels/cpu/
+int4_linear.cpp) runs instead, reading the same packed nibbles in place, ~1.5x faster than
+PyTorch's kernel over a decode step at one row (`python -m bench.bench_quant_kernels`). It is
+given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
+float32: a row's result does not depend on how many rows share the call, so preemption's
+recompute and batching keep a sequence's greedy tokens (with the exact scales, float32 x, they
+did not). ORBITAL_INT4_SMALL_LINEAR=0 turns it off. `.scale_min` holds the exact scales and mins
+(float16 where that holds them exactly, as it does GGUF's) for dequantizing (and the op's exact
+mode, tested against dequantize + float32 matmul).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from types import ModuleType
+
 import torch
 from torch import nn
 
-PACK_ROWS = 64  # the CPU pack interleaves blocks of 64 output rows (see unpack_nibbles)
+PACK_ROWS = 64  # N is padded to a multiple of the CPU pack's row blocks (64, or 32: see pack_layout)
+SMALL_ROWS = 4  # rows up to which int4_small_linear runs (measured crossover, bench_quant_kernels)
 
 
 def pack_int4(
     q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int, split: bool = False
 ) -> nn.Parameter:
     """q: [N, K'] integers 0..15; scale, minimum: float [N, K' / group_size]. Returns the
-    kernel's parameter: packed uint8 [N, K' / 2] with `.scales_zeros` ([K'/g, N, 2] float32),
-    `.group_size` and `.two_nibbles` (K' = 2 * in_features: the two nibbles of 8-bit values)."""
+    kernel's parameter: packed uint8 [N, K' / 2] with `.scale_min` ([2, K'/g, N]: the groups'
+    scales and mins), `.scales_zeros_bf16` (PyTorch's kernel's), `.group_size` and `.two_nibbles`
+    (K' = 2 * in_features: the two nibbles of 8-bit values)."""
     n, k = q.shape
     if k % group_size:
         raise ValueError(f"int4 weight [{n}, {k}]: inputs must divide by the group size {group_size}")
@@ -34,20 +50,33 @@ def pack_int4(
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     param = nn.Parameter(packed, requires_grad=False)
     scale, minimum = scale.float(), minimum.float()
-    param.scales_zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1).contiguous()
-    param.scales_zeros_bf16 = param.scales_zeros.to(torch.bfloat16)  # what the kernel takes
+    param.scale_min = _compact(torch.stack([scale.t(), minimum.t()]).contiguous())
+    zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1)  # the kernel's (q - 8) * s + z
+    param.scales_zeros_bf16 = zeros.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
     return param
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> nn.Parameter:
-    """[out, in] float weight -> packed int4, scale and min per group (round to nearest)."""
+def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (q 0..15, scale, min) per group of inputs (round to nearest)."""
     n, k = w.shape
     g = w.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = g.amin(-1), g.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-12)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    return pack_int4(q, scale, lo, group_size)
+    return q, scale, lo
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """float16 where every value survives the round trip (GGUF's scales and mins are float16, and
+    Q8_0's 16 * d and -128 * d stay exact): the op reads half the bytes; else float32."""
+    h = t.half()
+    return h if torch.equal(h.float(), t) else t
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> nn.Parameter:
+    """[out, in] float weight -> packed int4, scale and min per group (round to nearest)."""
+    return pack_int4(*quantize_groups(w, group_size), group_size)
 
 
 def group_size_for(in_features: int, wanted: int) -> int:
@@ -59,30 +88,49 @@ def group_size_for(in_features: int, wanted: int) -> int:
     raise ValueError(f"no int4 group size divides {in_features} input features")
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Packed [N, K/2] -> q [N, K] uint8. Layout (checked against the pack): per block of 64
-    rows and per input k, 32 bytes; byte j holds row j (low nibble) and row j + 32 (high)."""
+def _unpack(packed: torch.Tensor, layout: tuple[str, int]) -> torch.Tensor:
+    kind, rows = layout
     n, k = packed.shape[0], packed.shape[1] * 2
-    b = packed.view(n // PACK_ROWS, k, 32)
-    q = torch.cat([b & 15, b >> 4], dim=2)  # [N/64, K, 64]
+    b = packed.view(n // rows, k, rows // 2)
+    pair = (b & 15, b >> 4)
+    q = torch.cat(pair, dim=2) if kind == "halves" else torch.stack(pair, dim=3).view(n // rows, k, rows)
     return q.transpose(1, 2).reshape(n, k)
 
 
+@functools.cache
+def pack_layout() -> tuple[str, int]:
+    """How `_convert_weight_to_int4pack_for_cpu` lays nibbles out here, which depends on the vector
+    code PyTorch runs: per block of `rows` output rows and per input k, rows / 2 bytes; byte j holds
+    row j (low nibble) and row j + rows / 2 (high) for "halves" (64 rows on AVX-512, 32 on AVX2),
+    rows 2j and 2j + 1 for "pairs" (its scalar code). Found by packing a probe."""
+    q = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    for layout in (("halves", 64), ("halves", 32), ("pairs", 64)):
+        if torch.equal(_unpack(packed, layout).int(), q):
+            return layout
+    raise NotImplementedError("unknown layout of PyTorch's CPU int4 pack")
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Packed [N, K/2] -> q [N, K] uint8 (see pack_layout)."""
+    return _unpack(packed, pack_layout())
+
+
 def dequantize_packed(
-    packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
+    packed: torch.Tensor, scale_min: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Packed nibbles and their [K'/g, N, 2] scales/zeros -> the float weight [N, in_features]."""
+    """Packed nibbles and their [2, K'/g, N] scales and mins -> the float weight [N, in_features]."""
     q = unpack_nibbles(packed).float()
     n, k = q.shape
-    s, z = scales_zeros[..., 0].t(), scales_zeros[..., 1].t()  # [N, K'/g]
-    w = ((q.view(n, k // group_size, group_size) - 8) * s[..., None] + z[..., None]).view(n, k)
+    s, mn = scale_min[0].t().float(), scale_min[1].t().float()  # [N, K'/g]
+    w = (q.view(n, k // group_size, group_size) * s[..., None] + mn[..., None]).view(n, k)
     if split:
         w = w[:, : k // 2] + w[:, k // 2 :]
     return w.to(dtype)
 
 
 def dequantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    w = dequantize_packed(weight.data, weight.scales_zeros, weight.group_size, weight.two_nibbles, dtype)
+    w = dequantize_packed(weight.data, weight.scale_min, weight.group_size, weight.two_nibbles, dtype)
     return w[: weight.out_features]
 
 
@@ -90,25 +138,56 @@ def embedding_int4(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) 
     """Rows `ids` of a packed weight (a quantized tied embedding): unpacks only the 64-row packs
     those ids fall in."""
     flat = ids.reshape(-1)
-    packs, inside = flat // PACK_ROWS, flat % PACK_ROWS
+    block = pack_layout()[1]
+    packs, inside = flat // block, flat % block
     uniq, where = torch.unique(packs, return_inverse=True)
     n, half = weight.shape
-    sub = weight.data.view(n // PACK_ROWS, -1)[uniq].view(-1, half)
-    rows = (uniq[:, None] * PACK_ROWS + torch.arange(PACK_ROWS)).reshape(-1)
-    w = dequantize_packed(sub, weight.scales_zeros[:, rows], weight.group_size, weight.two_nibbles, dtype)
-    return w[where * PACK_ROWS + inside].reshape(*ids.shape, w.shape[-1])
+    sub = weight.data.view(n // block, -1)[uniq].view(-1, half)
+    rows = (uniq[:, None] * block + torch.arange(block)).reshape(-1)
+    w = dequantize_packed(sub, weight.scale_min[:, :, rows], weight.group_size, weight.two_nibbles, dtype)
+    return w[where * block + inside].reshape(*ids.shape, w.shape[-1])
+
+
+def small_linear_ops() -> ModuleType | None:
+    """The C++ ops when `int4_small_linear` has a vector path here and reads this PyTorch's
+    layout, else None."""
+    return _small_ops(os.environ.get("ORBITAL_INT4_SMALL_LINEAR", "1") != "0")
+
+
+@functools.cache
+def _small_ops(enabled: bool) -> ModuleType | None:
+    # Asked by every int4 linear at decode: computed once.
+    if not enabled or pack_layout()[0] != "halves":
+        return None
+    from engine.kernels.cpu_ops import load_cpu_ops
+
+    ops = load_cpu_ops()
+    return ops if ops is not None and ops.isa() != "generic" else None
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype. The kernel
-    runs with bfloat16 activations at every row count: with float32 ones it takes a ~30x slower
-    path at one row; with bf16, on a 3072x576 weight, it is 1.3 ms at 64 rows (float32 GEMM 1.8,
-    dequantize + float32 GEMM 14.7) and 46.6 ms at 2048 (43.5 and 49.9)."""
-    xb = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    if weight.two_nibbles:
-        xb = torch.cat([xb, xb], dim=-1)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, weight, weight.group_size, weight.scales_zeros_bf16)
-    y = (y if y.shape[1] == weight.out_features else y[:, : weight.out_features]).to(x.dtype)
+    """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype: the C++ op
+    at up to SMALL_ROWS rows, else PyTorch's kernel, both with bf16 activations and PyTorch's bf16
+    scales and zeros. The kernel runs with bfloat16 activations at every row count: with float32
+    ones it takes a ~30x slower path at one row; with bf16, on a 3072x576 weight, it is 1.3 ms at
+    64 rows (float32 GEMM 1.8, dequantize + float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    xb = x2.to(torch.bfloat16)
+    y = None
+    if 0 < x2.shape[0] <= SMALL_ROWS and x2.is_cpu and (ops := small_linear_ops()) is not None:
+        # float32 x: the kernel's bf16 values, result kept float32 (rounding it to bf16 as the
+        # kernel does flips some outputs by a bf16 step where the two sums differ in float32).
+        xin = xb if x2.dtype == torch.bfloat16 else xb.to(x2.dtype)
+        y = x2.new_empty(x2.shape[0], weight.out_features)
+        sz = weight.scales_zeros_bf16
+        if not ops.int4_small_linear(xin, weight, sz, weight.group_size, pack_layout()[1], None, y):
+            y = None
+    if y is None:
+        if weight.two_nibbles:
+            xb = torch.cat([xb, xb], dim=-1)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, weight, weight.group_size, weight.scales_zeros_bf16)
+        y = y if y.shape[1] == weight.out_features else y[:, : weight.out_features]
+    y = y.to(x.dtype)  # the bias after, as both paths round to bf16 first
     if bias is not None:
         y += bias
     return y.reshape(*x.shape[:-1], y.shape[-1])

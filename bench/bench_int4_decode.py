@@ -1,0 +1,71 @@
+"""One-stream offline decode of the embedded model with 4-bit weights (`LLM(quantization="gguf")`,
+2 threads): ms per output token with the few-row C++ int4 op (int4_linear.cpp) on and off
+(ORBITAL_INT4_SMALL_LINEAR=0: PyTorch's `_weight_int4pack_mm_for_cpu` at every row count).
+
+    python -m bench.bench_int4_decode [--rounds 5] [--tokens 128]
+
+Each measure is a fresh process; rounds alternate the settings; medians. Decode alone: a request
+of 1 + N output tokens minus one of 1 token (the prompt's prefill), over N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+SETTINGS = {"op on": {}, "op off": {"ORBITAL_INT4_SMALL_LINEAR": "0"}}
+PROMPT = "Write a short story about a robot who learns to paint. " * 4
+
+
+def child(tokens: int, kw: dict) -> float:
+    import time
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(num_threads=2, **kw)
+
+    def run(n: int) -> float:
+        sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([PROMPT], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    run(tokens)  # warm-up
+    full = statistics.median(run(1 + tokens) for _ in range(3))
+    prefill = statistics.median(run(1) for _ in range(3))
+    return (full - prefill) / tokens * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-kwargs", default='{"quantization": "gguf"}', help="LLM keywords as JSON")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps({"value": child(a.tokens, json.loads(a.model_kwargs))}))
+        return 0
+    results: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for r in range(a.rounds):
+        for name, env in SETTINGS.items():
+            full = {k: v for k, v in os.environ.items() if k != "ORBITAL_INT4_SMALL_LINEAR"} | env
+            cmd = [sys.executable, "-m", "bench.bench_int4_decode", "--child", "--tokens", str(a.tokens)]
+            out = subprocess.run(cmd + ["--model-kwargs", a.model_kwargs], env=full, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
+            v = json.loads(out.stdout.strip().splitlines()[-1])["value"]
+            results[name].append(v)
+            print(f"round {r} {name}: {v:.2f} ms/token", flush=True)
+    on, off = (statistics.median(results[n]) for n in SETTINGS)
+    print(f"\nmodel {a.model_kwargs}, one stream, 2 threads, medians of {a.rounds} rounds")
+    print(f"| op on | op off | speedup |\n|---|---|---|\n| {on:.2f} ms/token | {off:.2f} ms/token | {off / on:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,337 @@
+// Int4 linear for a few rows (decode at low concurrency): y[m, n] = x[m, :] . w[n, :] + bias, with
+// w group-wise int4 (w = q * scale + min per group of inputs, engine/layers/quant/int4.py), read in
+// place from PyTorch's CPU int4pack layout: per block of B output rows (64, or 32 where PyTorch
+// runs its AVX2 code) and per input k, B / 2 bytes; byte j holds row j (low nibble) and row
+// j + B / 2 (high). At one row PyTorch's kernel stays below the memory bandwidth (a SmolLM2 step's
+// 121 linears: 4.7 ms, this op 3.7; bench/bench_quant_kernels.py). Each thread takes whole blocks;
+// per block, group and k, x[k] is broadcast and the decoded nibbles (16 bytes -> 32 rows as two
+// float vectors) are FMA'd into per-group accumulators, folded at the group's end as
+// acc * scale + min * sum(x over the group) (sums made once per call). Input rows share the
+// decoded nibbles. Returns false where it does not apply.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <vector>
+#include "simd16.h"
+
+#if defined(ORBITAL_SIMD16)
+namespace {
+
+using simd::F16;
+
+constexpr int64_t kMaxRows = 4;
+// 16-byte sub-blocks decoded per k and input rows per pass: the group accumulators
+// (2 * kSub * rows) and the decoded nibbles (2 * kSub) must stay in registers.
+constexpr int kSub = simd::kRegs >= 32 ? 2 : 1;
+constexpr int kPassRows = simd::kRegs >= 32 ? 4 : 2;
+constexpr int64_t kAhead = 1024;  // bytes of the weight stream prefetched ahead (measured: 1-2 KiB)
+
+// S: float or at::Half, scale and min planes [2, groups, np]; c10::BFloat16: PyTorch's kernel's
+// (scale, zero) pairs [groups, np, 2] with w = (q - 8) * scale + zero, i.e. min = zero - 8 scale.
+template <typename S>
+constexpr bool kPairs = std::is_same_v<S, c10::BFloat16>;
+
+template <typename S>
+struct Args {
+  const float* xf;    // [m, kw] activations as float32 (x twice over for a two-nibble weight)
+  const float* xsum;  // [m, groups]: sums of xf over each group
+  const uint8_t* w;   // packed [np / B, kw, B / 2]
+  const S* scale;     // [groups, np] (pairs: [groups, np, 2])
+  const S* minimum;   // [groups, np] (pairs: unused)
+  int64_t kw, groups, gs, np;
+};
+
+// Scale and min of rows [n, n + 16) in group g.
+template <typename S>
+static inline void load_scales(const Args<S>& a, int64_t g, int64_t n, F16& sc, F16& mn) {
+  if constexpr (kPairs<S>) {
+    F16 z;
+    simd::from_bf16_pairs(a.scale + (g * a.np + n) * 2, sc, z);
+    mn = simd::fnmadd(simd::set1(8.f), sc, z);
+  } else if constexpr (std::is_same_v<S, float>) {
+    sc = simd::loadu(a.scale + g * a.np + n), mn = simd::loadu(a.minimum + g * a.np + n);
+  } else {
+    sc = simd::from_f16(a.scale + g * a.np + n), mn = simd::from_f16(a.minimum + g * a.np + n);
+  }
+}
+
+// The scales of 64 rows from n0 in group g: strided by N, not streamed in order, so asked ahead.
+template <typename S>
+static inline void prefetch_scales(const Args<S>& a, int64_t g, int64_t n0) {
+  if (g >= a.groups) return;
+  if constexpr (kPairs<S>) {
+    const char* p = reinterpret_cast<const char*>(a.scale + (g * a.np + n0) * 2);
+    for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+  } else {
+    for (const S* t : {a.scale, a.minimum}) {
+      const char* p = reinterpret_cast<const char*>(t + g * a.np + n0);
+      for (int l = 0; l < 64 * static_cast<int>(sizeof(S)); l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    }
+  }
+}
+
+// Group g of sub-blocks [sub0, sub0 + SUB) of a block (rows 16 * sub + [0, 16) and the same + B / 2)
+// for input rows [i0, i0 + MR): accumulate, then fold into racc ([rows][B], float32).
+template <int B, int SUB, int MR, typename S>
+static inline void pass(const Args<S>& a, const uint8_t* wb, int64_t n0, int64_t g, int sub0, int i0, float* racc) {
+  F16 acc[MR][2 * SUB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < 2 * SUB; ++j) acc[i][j] = simd::zero();
+  const int64_t k0 = g * a.gs;
+  const uint8_t* p = wb + k0 * (B / 2) + 16 * sub0;
+  const float* x = a.xf + i0 * a.kw + k0;
+  const bool first = sub0 == 0 && i0 == 0;
+  for (int64_t k = 0; k < a.gs; ++k, p += B / 2) {
+    if (first) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+    F16 lo[SUB], hi[SUB];
+    for (int s = 0; s < SUB; ++s) simd::from_nibbles(p + 16 * s, lo[s], hi[s]);
+    for (int i = 0; i < MR; ++i) {
+      const F16 xv = simd::set1(x[i * a.kw + k]);
+      for (int s = 0; s < SUB; ++s) {
+        acc[i][2 * s] = simd::fmadd(xv, lo[s], acc[i][2 * s]);
+        acc[i][2 * s + 1] = simd::fmadd(xv, hi[s], acc[i][2 * s + 1]);
+      }
+    }
+  }
+  for (int s = 0; s < SUB; ++s)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = 16 * (sub0 + s) + h * (B / 2);
+      F16 sc, mn;
+      load_scales(a, g, n0 + r, sc, mn);
+      for (int i = 0; i < MR; ++i) {
+        float* ra = racc + (i0 + i) * B + r;
+        const F16 xs = simd::set1(a.xsum[(i0 + i) * a.groups + g]);
+        simd::storeu(ra, simd::fmadd(mn, xs, simd::fmadd(acc[i][2 * s + h], sc, simd::loadu(ra))));
+      }
+    }
+}
+
+// All input rows, kPassRows at a time.
+template <int B, int SUB, int M, int I0, typename S>
+static inline void passes(const Args<S>& a, const uint8_t* wb, int64_t n0, int64_t g, int sub0, float* racc) {
+  if constexpr (I0 < M) {
+    constexpr int mr = std::min(kPassRows, M - I0);
+    pass<B, SUB, mr, S>(a, wb, n0, g, sub0, I0, racc);
+    passes<B, SUB, M, I0 + mr, S>(a, wb, n0, g, sub0, racc);
+  }
+}
+
+// A block's results ([M][B] float32) plus bias to y (rows past n dropped).
+template <int B, int M, typename X>
+static inline void store_rows(const float* racc, int64_t blk, int64_t n, const X* bias, X* y, int64_t ys) {
+  const int64_t n0 = blk * B, rows = std::min<int64_t>(B, n - n0);
+  for (int i = 0; i < M; ++i)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float b = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.f;
+      y[i * ys + n0 + r] = static_cast<X>(racc[i * B + r] + b);
+    }
+}
+
+template <int B, int M, typename S, typename X>
+void block(const Args<S>& a, int64_t blk, int64_t n, const X* bias, X* y, int64_t ys) {
+  constexpr int sub = std::min(kSub, B / 32);
+  alignas(64) float racc[M][B] = {};
+  const uint8_t* wb = a.w + blk * a.kw * (B / 2);
+  const int64_t n0 = blk * B;
+  // Group-major: a group's bytes (group_size * B / 2) stay in L1 across the passes.
+  for (int64_t g = 0; g < a.groups; ++g) {
+    prefetch_scales(a, g + 2, n0);
+    for (int s0 = 0; s0 < B / 32; s0 += sub) passes<B, sub, M, 0, S>(a, wb, n0, g, s0, &racc[0][0]);
+  }
+  store_rows<B, M, X>(&racc[0][0], blk, n, bias, y, ys);
+}
+
+#if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
+// bf16 activations on AVX-512 BF16: vdpbf16ps does 32 multiply-adds per instruction (products of
+// two bf16 are exact in float32, sums in float32), so the nibbles are made bf16 instead of float32:
+// q as 1 + q / 16 (exponent 0x3F80, q in mantissa bits 3..6; exact), two inputs k, k + 1 per
+// 32-bit lane. Per two inputs and 64 rows: 13 vector ops besides the 4 dot products per input row,
+// where the float32 path takes 22 besides 8 FMAs. Then acc = X + Q / 16 (X = sum of x, Q = sum of
+// q * x over the group): the group adds 16 s * acc + (min - 16 s) * X.
+// Lanes hold rows in unpack order: vector v (0..3) lane l is row kDpRow[v] + l + (l >= 8 ? 8 : 0).
+constexpr int kDpRow[4] = {0, 8, 32, 40};
+
+// Scale and min of rows [n, n + 8) and [n + 16, n + 24) in group g (the dot-product lane order).
+template <typename S>
+static inline void load_scales_dp(const Args<S>& a, int64_t g, int64_t n, __m512& sc, __m512& mn) {
+  if constexpr (kPairs<S>) {
+    const S* p = a.scale + (g * a.np + n) * 2;
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
+    sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    mn = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sc, z);
+  } else {
+    const auto rows = [](const S* p) {
+      if constexpr (std::is_same_v<S, float>) {
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)), _mm256_loadu_ps(p + 16), 1);
+      } else {
+        const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+      }
+    };
+    sc = rows(a.scale + g * a.np + n), mn = rows(a.minimum + g * a.np + n);
+  }
+}
+
+template <int M, typename S>
+void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
+  const uint8_t* wb = a.w + blk * a.kw * 32;
+  const int64_t n0 = blk * 64;
+  const __m512i keep = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+  __m512 r[M][4];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < 4; ++v) r[i][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    prefetch_scales(a, g + 2, n0);
+    __m512 acc[M][4];
+    for (int i = 0; i < M; ++i)
+      for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+    const int64_t k0 = g * a.gs;
+    const uint8_t* p = wb + k0 * 32;
+    for (int64_t k = 0; k < a.gs; k += 2, p += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+      const __m512i zu = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b0, b1));
+      const __m512i zv = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b0, b1));
+      __m512bh w[4];
+      w[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(zu, 3), keep, one, 0xEA);  // (a & b) | c
+      w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(zv, 3), keep, one, 0xEA);
+      w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(zu, 1), keep, one, 0xEA);
+      w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(zv, 1), keep, one, 0xEA);
+      for (int i = 0; i < M; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, xb + i * a.kw + k0 + k, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], w[v], xv);
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      __m512 sc, mn;
+      load_scales_dp(a, g, n0 + kDpRow[v], sc, mn);
+      const __m512 s16 = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
+      mn = _mm512_sub_ps(mn, s16);
+      for (int i = 0; i < M; ++i)
+        r[i][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[i * a.groups + g]), _mm512_fmadd_ps(acc[i][v], s16, r[i][v]));
+    }
+  }
+  alignas(64) float lanes[16];
+  for (int i = 0; i < M; ++i)
+    for (int v = 0; v < 4; ++v) {
+      _mm512_store_ps(lanes, r[i][v]);
+      for (int l = 0; l < 16; ++l) racc[i * 64 + kDpRow[v] + l + (l >= 8 ? 8 : 0)] = lanes[l];
+    }
+}
+#endif
+
+template <int B, int M, typename S, typename X>
+void run(const Args<S>& a, const uint16_t* xb, int64_t n, const X* bias, X* y, int64_t ys) {
+  const int64_t blocks = (n + B - 1) / B;  // padding blocks past n are skipped
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) {
+#if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
+      if constexpr (B == 64 && std::is_same_v<X, c10::BFloat16>) {
+        if (xb != nullptr) {
+          alignas(64) float racc[M * 64];
+          block_dp<M, S>(a, xb, blk, racc);
+          store_rows<B, M, X>(racc, blk, n, bias, y, ys);
+          continue;
+        }
+      }
+#endif
+      block<B, M, S, X>(a, blk, n, bias, y, ys);
+    }
+  });
+}
+
+template <typename S, typename X>
+bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_min, int64_t gs,
+              int64_t block_rows, const std::optional<torch::Tensor>& bias, torch::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), kw = packed.size(1) * 2, groups = kw / gs, np = packed.size(0);
+  // x widened once (and repeated for a two-nibble weight), with its group sums.
+  std::vector<float> xf(m * kw), xsum(m * groups);
+  const X* xp = x.data_ptr<X>();
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < kw; ++j) xf[i * kw + j] = static_cast<float>(xp[i * x.stride(0) + j % k]);
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t j = 0; j < gs; ++j) s += xf[i * kw + g * gs + j];
+      xsum[i * groups + g] = s;
+    }
+  }
+  // bf16 x for the dot-product path (block_dp): the same values, paired along k.
+  std::vector<uint16_t> xb;
+#if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
+  if (std::is_same_v<X, c10::BFloat16> && block_rows == 64 && gs % 2 == 0) {
+    xb.resize(m * kw);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < kw; ++j) std::memcpy(&xb[i * kw + j], xp + i * x.stride(0) + j % k, 2);
+  }
+#endif
+  const uint16_t* xbp = xb.empty() ? nullptr : xb.data();
+  const S* sm = scale_min.data_ptr<S>();
+  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kPairs<S> ? nullptr : sm + groups * np,
+                  kw, groups, gs, np};
+  const X* bp = bias ? bias->data_ptr<X>() : nullptr;
+  X* y = out.data_ptr<X>();
+  const int64_t n = out.size(1), ys = out.stride(0);
+  const auto go = [&](auto bt) {
+    constexpr int B = decltype(bt)::value;
+    switch (m) {
+      case 1: run<B, 1, S, X>(a, xbp, n, bp, y, ys); break;
+      case 2: run<B, 2, S, X>(a, xbp, n, bp, y, ys); break;
+      case 3: run<B, 3, S, X>(a, xbp, n, bp, y, ys); break;
+      default: run<B, 4, S, X>(a, xbp, n, bp, y, ys); break;
+    }
+  };
+  if (block_rows == 64) {
+    go(std::integral_constant<int, 64>{});
+  } else {
+    go(std::integral_constant<int, 32>{});
+  }
+  return true;
+}
+
+bool is_f32_or_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16; }
+
+}  // namespace
+#endif
+
+// x [m, k] (float32 or bfloat16, rows contiguous); packed uint8 [np, kw / 2] in the int4pack layout
+// with `block_rows` (64 or 32) rows per block, kw = k, or 2k for a two-nibble weight (x is read
+// twice over); scale_min [2, kw / group_size, np] (scale, min; float32 or float16: w = q * s + min)
+// or PyTorch's kernel's bfloat16 [kw / group_size, np, 2] (scale, zero: w = (q - 8) * s + zero);
+// bias [n] in x's dtype or None; out [m, n] in x's dtype, n <= np. False (nothing written) where it
+// does not apply.
+bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
+                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out) {
+#if defined(ORBITAL_SIMD16)
+  if (!x.device().is_cpu() || x.dim() != 2 || packed.dim() != 2 || scale_min.dim() != 3 || out.dim() != 2) return false;
+  const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), kw = packed.size(1) * 2, n = out.size(1);
+  if (m < 1 || m > kMaxRows || !is_f32_or_bf16(x) || x.stride(1) != 1 || packed.scalar_type() != at::kByte ||
+      !packed.is_contiguous() || (block_rows != 64 && block_rows != 32) || np % block_rows || (kw != k && kw != 2 * k) ||
+      group_size < 1 || kw % group_size)
+    return false;
+  const auto st = scale_min.scalar_type();
+  const bool pairs = st == at::kBFloat16;
+  const std::vector<int64_t> want = pairs ? std::vector<int64_t>{kw / group_size, np, 2} : std::vector<int64_t>{2, kw / group_size, np};
+  if (scale_min.sizes() != at::IntArrayRef(want) || !scale_min.is_contiguous() ||
+      (st != at::kFloat && st != at::kHalf && !pairs))
+    return false;
+  if (out.size(0) != m || n > np || out.stride(1) != 1 || out.scalar_type() != x.scalar_type()) return false;
+  if (bias && (!bias->is_contiguous() || bias->numel() != n || bias->scalar_type() != x.scalar_type())) return false;
+  const auto with_x = [&](auto xt) {
+    using X = decltype(xt);
+    if (pairs) return dispatch<c10::BFloat16, X>(x, packed, scale_min, group_size, block_rows, bias, out);
+    if (st == at::kHalf) return dispatch<at::Half, X>(x, packed, scale_min, group_size, block_rows, bias, out);
+    return dispatch<float, X>(x, packed, scale_min, group_size, block_rows, bias, out);
+  };
+  return x.scalar_type() == at::kFloat ? with_x(float{}) : with_x(c10::BFloat16{});
+#else
+  return false;
+#endif
+}

@@ -1,0 +1,181 @@
+"""The few-row int4 C++ linear (int4_linear.cpp) against dequantize + F.linear (exact scales, and
+PyTorch's bf16 ones as int4_linear passes them), and its use by int4_linear.
+
+Tolerance: the op sums in float32 in another order than the reference (float64 over the same
+dequantized weight), so |out - ref| <= 1e-5 * sum_k |x_k * w_nk| (float32 rounding over up to
+3072 products, with room); bfloat16 outputs also round once: + 2^-8 * |ref|.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.quant.blocks import BlockQuantized
+from engine.layers.quant.int4 import (
+    SMALL_ROWS,
+    dequantize_int4,
+    int4_linear,
+    pack_int4,
+    pack_layout,
+    quantize_int4,
+    small_linear_ops,
+    unpack_nibbles,
+)
+from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture
+
+
+def run_op(ops, x, w, bias=None, block_rows=None, scale_min=None):
+    """The op's output, or None where it declined (then it wrote nothing)."""
+    out = torch.full((x.shape[0], w.out_features), float("nan"), dtype=x.dtype)
+    sm = w.scale_min if scale_min is None else scale_min
+    if ops.int4_small_linear(x, w, sm, w.group_size, block_rows or pack_layout()[1], bias, out):
+        return out
+    assert out.isnan().all()
+    return None
+
+
+def assert_matches(out, x, w_float, bias):
+    ref = F.linear(x.double(), w_float.double(), None if bias is None else bias.double())
+    bound = 1e-5 * (x.double().abs() @ w_float.double().abs().t()) + 1e-6
+    if out.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * ref.abs()
+    err = (out.double() - ref).abs()
+    assert (err <= bound).all(), (err - bound).max().item()
+
+
+def with_f16_scales(w):
+    """The same weight with its scales and mins rounded to float16 (as GGUF's are): stored so."""
+    n = w.out_features
+    q = unpack_nibbles(w.data)[:n]
+    scale, minimum = (t.t()[:n].half().float() for t in w.scale_min)
+    return pack_int4(q, scale, minimum, w.group_size)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "n,k,group", [(100, 64, 32), (100, 64, 64), (960, 576, 32), (960, 576, 64), (100, 1536, 64), (100, 1536, 128)]
+)
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scales", ["f32", "f16"])
+def test_op_matches_dequantized_float32(ops, m, n, k, group, xdt, scales):
+    g = torch.Generator().manual_seed(m * 100 + group + k)
+    w = quantize_int4(torch.randn(n, k, generator=g) * torch.linspace(0.1, 2.0, n)[:, None], group)
+    if scales == "f16":
+        w = with_f16_scales(w)
+    assert w.scale_min.dtype == (torch.float16 if scales == "f16" else torch.float32)
+    x = torch.randn(m, k, generator=g).to(xdt)
+    bias = torch.randn(n, generator=g).to(xdt) if m % 2 else None
+    out = run_op(ops, x, w, bias)
+    if out is None:
+        assert not vector(ops)
+        return
+    assert vector(ops)
+    assert_matches(out, x, dequantize_int4(w), bias)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_op_two_nibbles_q8_0(ops, m, xdt):
+    """A Q8_0 weight as two nibbles (K' = 2 * in_features): the op reads x twice over."""
+    g = torch.Generator().manual_seed(m)
+    n, k = 160, 576
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    blocks = BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0")
+    w = pack_int4(*blocks.as_nibbles(split=True), 32, split=True)
+    assert w.two_nibbles and w.shape == (192, k) and w.scale_min.dtype == torch.float16
+    x = torch.randn(m, k, generator=g).to(xdt)
+    out = run_op(ops, x, w)
+    if out is None:
+        assert not vector(ops)
+        return
+    assert_matches(out, x, blocks.dequantize(), None)
+
+
+def pytorch_weight(w):
+    """The weight PyTorch's kernel computes with: (q - 8) * scale + zero, both rounded to bf16."""
+    q = unpack_nibbles(w.data).float()
+    n, k = q.shape
+    sz = w.scales_zeros_bf16.float()
+    s, z = sz[..., 0].t(), sz[..., 1].t()
+    g = w.group_size
+    return ((q.view(n, k // g, g) - 8) * s[..., None] + z[..., None]).view(n, k)[: w.out_features]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n,k,group", [(100, 64, 32), (960, 576, 64), (100, 1536, 128)])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_op_with_pytorch_scales_matches_its_weight(ops, m, n, k, group, xdt):
+    """Given PyTorch's bf16 (scale, zero) pairs, the op computes with PyTorch's kernel's weight
+    (what int4_linear passes it); with bf16 x, the kernel's result within rounding."""
+    g = torch.Generator().manual_seed(m + k)
+    w = quantize_int4(torch.randn(n, k, generator=g), group)
+    x = torch.randn(m, k, generator=g).to(xdt)
+    out = run_op(ops, x, w, scale_min=w.scales_zeros_bf16)
+    if out is None:
+        assert not vector(ops)
+        return
+    assert_matches(out, x, pytorch_weight(w), None)
+    if xdt == torch.bfloat16:
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, w.scales_zeros_bf16)[:, :n]
+        assert_matches(kernel, x, pytorch_weight(w), None)
+
+
+def pack_rows32(q: torch.Tensor) -> torch.Tensor:
+    """PyTorch's pack as its AVX2 code lays it out: per 32 rows and per k, 16 bytes; byte j holds
+    row j (low nibble) and row j + 16 (high)."""
+    n, k = q.shape
+    b = q.view(n // 32, 2, 16, k)
+    return (b[:, 0] | b[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_op_reads_the_32_row_layout(ops, m, xdt):
+    w = quantize_int4(torch.randn(96, 128), 32)
+    x = torch.randn(m, 128).to(xdt)
+    w32 = torch.nn.Parameter(pack_rows32(unpack_nibbles(w.data)), requires_grad=False)
+    w32.__dict__.update({a: w.__dict__[a] for a in ("scale_min", "group_size", "two_nibbles", "out_features")})
+    out = run_op(ops, x, w32, block_rows=32)
+    if out is None:
+        assert not vector(ops)
+        return
+    assert_matches(out, x, dequantize_int4(w), None)
+
+
+def test_op_declines_what_it_does_not_cover(ops):
+    w = quantize_int4(torch.randn(64, 64), 32)
+    x = torch.randn(1, 64)
+    sm = w.scale_min
+    for xx, block, scale_min, out in [
+        (torch.randn(5, 64), 64, sm, torch.empty(5, 64)),  # more rows than the op takes
+        (torch.randn(1, 48), 64, sm, torch.empty(1, 64)),  # inputs match neither K' nor K' / 2
+        (x, 48, sm, torch.empty(1, 64)),  # no such layout
+        (x, 64, sm[:, :1], torch.empty(1, 64)),  # scales of another shape
+        (x, 64, sm.double(), torch.empty(1, 64)),
+        (x, 64, sm, torch.empty(1, 65)),  # more outputs than rows
+        (x, 64, sm, torch.empty(1, 64).bfloat16()),  # out not in x's dtype
+        (x.double(), 64, sm, torch.empty(1, 64).double()),
+    ]:
+        assert not ops.int4_small_linear(xx, w, scale_min, 32, block, None, out)
+    assert not ops.int4_small_linear(x, w, sm, 32, 64, torch.randn(64).bfloat16(), torch.empty(1, 64))
+
+
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
+    w = quantize_int4(torch.randn(100, 128), 32)
+    bias = torch.randn(100).to(xdt)
+    on = small_linear_ops() is not None
+    assert on == (vector(ops) and pack_layout()[0] == "halves")
+    for m in (1, SMALL_ROWS, SMALL_ROWS + 1, 40):
+        x = torch.randn(m, 128).to(xdt)
+        got = int4_linear(x, w, bias)
+        ref = F.linear(x.float(), dequantize_int4(w), bias.float())
+        torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+        if on and m <= SMALL_ROWS:  # bit-equal to the op: it ran, not PyTorch's kernel
+            direct = run_op(ops, x.bfloat16().to(xdt), w, scale_min=w.scales_zeros_bf16) + bias
+            assert torch.equal(got, direct)
+    x3 = torch.randn(2, 1, 128).to(xdt)  # leading dims are kept
+    assert int4_linear(x3, w, bias).shape == (2, 1, 100)
+    monkeypatch.setenv("ORBITAL_INT4_SMALL_LINEAR", "0")
+    assert small_linear_ops() is None
