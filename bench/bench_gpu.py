@@ -7,8 +7,11 @@ that length; the weights are random, so only the lengths matter), greedy, exactl
 new tokens each (ignore_eos), all arriving at once.
 Figures: output tokens/s over the whole run, and TTFT (engine: mean over requests of the time
 from arrival to their first token; transformers: one batched generate of a single token).
-Each engine configuration named in --backends (an attention backend, `:eager` for no CUDA
-graphs) runs the same workload.
+Each engine configuration named in --backends runs the same workload:
+`backend[:eager][/weights[/kv]]`, an attention backend, `:eager` for no CUDA graphs, then
+optionally weight quantization (`int8`, `int4`, `int4:g64`, ...; `-` for none) and the KV
+cache dtype (`int8`, `fp8_e4m3`). Each row also gives the KV pool's capacity in tokens and the
+weights' bytes on the GPU.
 
     python -m bench.bench_gpu --out bench_gpu.json      # needs CUDA and a tokenizer (see bench/random_llama.py)
 """
@@ -76,6 +79,17 @@ def run_hf(model, prompts: list[list[int]], new: int) -> dict:
     return {"tok_s": len(prompts) * new / wall, "ttft_ms": 1e3 * ttft, "wall_s": wall}
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Parameters and the tensors a quantized one carries (scales, zeros, plain rows)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        for t in [p, *p.__dict__.values()]:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
 def bench_model(shape: str, args) -> list[dict]:
     import os
 
@@ -88,7 +102,10 @@ def bench_model(shape: str, args) -> list[dict]:
         hf, tok = save_random_llama(path, shape, dtype)
         nparams = sum(p.numel() for p in hf.parameters())
         for config in args.backends:
-            backend, _, mode = config.partition(":")
+            head, *rest = config.split("/")
+            backend, _, mode = head.partition(":")
+            quant = rest[0] if rest and rest[0] != "-" else None
+            kv = rest[1] if len(rest) > 1 else "auto"
             os.environ["ORBITAL_ATTENTION_BACKEND"] = backend
             t0 = time.perf_counter()
             llm = LLM(
@@ -100,9 +117,15 @@ def bench_model(shape: str, args) -> list[dict]:
                 enforce_eager=mode == "eager",
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=False,
+                quantization=quant,
+                kv_cache_dtype=kv,
             )
             start_s = time.perf_counter() - t0  # load, pool sizing and graph capture
             num_blocks = llm.engine.core.executor.num_blocks
+            stats = llm.stats()
+            ex = llm.engine.core.executor
+            kv_per_gib = round((1 << 30) / (ex.kv_bytes_per_block() / llm.engine.args.block_size))
+            weight_gb = weight_bytes(llm.engine.core.executor.runner.model) / 1e9
             # Warm-up at the largest batch: kernels compile and the allocator grows to a full
             # prefill step's size before timing (else the first timed batch-256 TTFT paid for it).
             run_engine(llm, _prompts(max(args.batches), args.prompt_len, tok, 99), 8)
@@ -115,12 +138,15 @@ def bench_model(shape: str, args) -> list[dict]:
                         "system": f"engine ({config})",
                         "batch": b,
                         "kv_blocks": num_blocks,
+                        "kv_tokens": stats["kv_capacity_tokens"],
+                        "kv_tokens_per_gib": kv_per_gib,
+                        "weight_gb": weight_gb,
                         "start_s": start_s,
                         **r,
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
-            del llm
+            del llm, ex  # the executor holds the model and the KV pool
             gc.collect()
             torch.cuda.empty_cache()
         if not args.skip_hf:
@@ -135,11 +161,14 @@ def bench_model(shape: str, args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | system | batch | output tok/s | mean TTFT (ms) |", "|---|---|---:|---:|---:|"]
+    lines = [
+        "| model | system | batch | output tok/s | mean TTFT (ms) | weights GB | KV tokens per GiB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['model']} ({r['params'] / 1e6:.0f}M) | {r['system']} | {r['batch']} | "
-            f"{r['tok_s']:,.0f} | {r['ttft_ms']:,.1f} |"
+            f"{r['tok_s']:,.0f} | {r['ttft_ms']:,.1f} | {r.get('weight_gb', 0):.2f} | {r.get('kv_tokens_per_gib', 0):,} |"
         )
     return "\n".join(lines)
 

@@ -34,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         choices=list(METHODS),
         help="weight-only: int8, int4[:g32|g64|g128] quantized at load, or gguf (a GGUF's own Q8_0/Q4_0/Q4_1 blocks)",
     )
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="KV cache storage")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"], help="KV cache storage")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
-from engine.layers.attention.kv_int8 import check_kv_cache_dtype
+from engine.layers.attention.kv_quant import check_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class CacheConfig:
     # memory (None: use kv_cache_memory_bytes). The dummy step has profile_num_tokens tokens.
     gpu_memory_utilization: float | None = None
     profile_num_tokens: int = EngineArgs.max_num_batched_tokens
-    kv_cache_dtype: str = EngineArgs.kv_cache_dtype  # "auto" (the model's dtype) or "int8"
+    kv_cache_dtype: str = EngineArgs.kv_cache_dtype  # "auto" (the model's dtype), "int8" or "fp8_e4m3"
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -40,8 +40,8 @@ class EngineArgs:
     # or "int4" / "int4:g32|g64|g128" (group-wise) quantized at load, "gguf" (a GGUF model's own
     # Q8_0/Q4_0/Q4_1 blocks); None keeps the checkpoint's float weights (engine/layers/quant/).
     quantization: str | None = None
-    # The KV cache's storage: "auto" (the model's dtype) or "int8" (per-token, per-head scales,
-    # no calibration: engine/layers/attention/kv_int8.py), about 1.9x the tokens of bfloat16.
+    # The KV cache's storage: "auto" (the model's dtype), "int8" or "fp8_e4m3" (per-token, per-head
+    # scales, no calibration: engine/layers/attention/kv_quant.py), about 1.9x the tokens of bf16.
     kv_cache_dtype: str = "auto"
     # Disaggregated serving (engine/kv_transfer/config.py): {"role": "prefill" | "decode",
     # "local_prefill_max_tokens": n}; None: colocated (this engine prefills and decodes).

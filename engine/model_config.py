@@ -90,14 +90,12 @@ def build_model_config(
     from transformers import AutoConfig
 
     from engine.layers.quant import parse_quantization
+    from engine.layers.quant.spec import check_quantization_device
     from engine.model.loader import gguf_file_of, resolve_model_dir
 
     spec = parse_quantization(quantization)  # refuses unknown settings before any conversion
-    if spec is not None and torch.device(device).type != "cpu":
-        # The int8/int4 matmuls are PyTorch's CPU weight-packed kernels; no GPU path has run yet.
-        raise InvalidRequestError(
-            f"quantization={quantization!r} runs on CPU (PyTorch's CPU int8/int4 kernels); on {device} serve float weights"
-        )
+    if spec is not None:
+        check_quantization_device(quantization, torch.device(device))
     gguf_file = gguf_file_of(model) if spec is not None and spec.method == "gguf" else None
     if spec is not None and spec.method == "gguf" and gguf_file is None:
         raise InvalidRequestError(f"quantization='gguf' loads a GGUF file's blocks; {model!r} is not a .gguf file")

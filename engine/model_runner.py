@@ -15,12 +15,11 @@ from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group, tp_max
-from engine.errors import InvalidRequestError
 from engine.forward_context import forward_context
 from engine.kv_memory import allocate_kv_caches
 from engine.kv_transfer.block_io import head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
-from engine.layers.attention.kv_int8 import cache_storage_dtype, row_width
+from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
 from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
@@ -87,7 +86,7 @@ class ModelRunner:
         return cache_storage_dtype(self.cc.kv_cache_dtype, self.mc.dtype)
 
     def bytes_per_block(self) -> int:
-        """Real bytes: an int8 cache's rows carry their scales (kv_int8.py)."""
+        """Real bytes: an int8 cache's rows carry their scales (kv_quant.py)."""
         elem = torch.tensor([], dtype=self.kv_storage_dtype).element_size()
         width = row_width(self.cc.kv_cache_dtype, self.mc.head_dim)
         return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * width * elem
@@ -196,11 +195,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.
-        if self.cc.kv_cache_dtype == "int8" and self.model.attention_layers()[0].backend.name == "triton_paged":
-            raise InvalidRequestError(
-                "kv_cache_dtype='int8' is read by the CPU ops and the reference backend; the Triton CUDA "
-                "kernel does not read it yet (set ORBITAL_ATTENTION_BACKEND=reference to run it on CUDA)"
-            )
+        check_kv_backend(self.cc.kv_cache_dtype, self.model.attention_layers()[0].backend.name, self.device)
         shape = (
             2,
             self.num_kv_heads_local,

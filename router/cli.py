@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-cache-dtype",
         default=_d("kv_cache_dtype"),
-        choices=["auto", "int8"],
-        help="KV cache storage: the model's dtype, or int8 with per-token scales (~2x the tokens of bf16)",
+        choices=["auto", "int8", "fp8_e4m3"],
+        help="KV cache storage: the model's dtype, or int8/fp8_e4m3 (GPU) with per-token scales (~2x the tokens of bf16)",
     )
     s.add_argument("--device", default=_d("device"))
     s.add_argument(

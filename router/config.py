@@ -61,10 +61,11 @@ class AppConfig(BaseModel):
         description="Weight-only quantization: int8 (per output channel) or int4 (group-wise, :gN the group "
         "size) quantized at load; gguf: a GGUF model's own Q8_0/Q4_0/Q4_1 blocks as they are; None: float.",
     )
-    kv_cache_dtype: Literal["auto", "int8"] = Field(
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = Field(
         _E.kv_cache_dtype,
-        description="KV cache storage: auto (the model's dtype) or int8 (per-token, per-head scales; about 1.9x "
-        "the tokens of bfloat16, 3.9x of float32, in the same memory).",
+        description="KV cache storage: auto (the model's dtype), int8 (per-token, per-head scales; about 1.9x "
+        "the tokens of bfloat16, 3.9x of float32, in the same memory) or fp8_e4m3 (the same, as fp8; GPUs with "
+        "compute capability 8.9+).",
     )
     device: str = Field(_E.device, description="cpu | cuda.")
     tensor_parallel_size: int = Field(

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.attention.kv_quant import byte_view
+
 
 def read_blocks(kv_caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
     """(layers, 2, local heads, len(block_ids), block_size, head_dim), a copy on the CPU."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-    return torch.stack([c.index_select(2, idx) for c in kv_caches]).cpu()
+    # Through uint8 views: PyTorch has no CPU index_select/index_copy_ for float8.
+    out = torch.stack([byte_view(c).index_select(2, idx) for c in kv_caches]).cpu()
+    return out.view(kv_caches[0].dtype)
 
 
 def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
     """Write `data` (this rank's heads, as `read_blocks` returns them) into `block_ids`."""
     idx = torch.tensor(block_ids, dtype=torch.long, device=kv_caches[0].device)
-    data = data.to(kv_caches[0].device)
+    data = byte_view(data.to(kv_caches[0].device))
     for cache, layer in zip(kv_caches, data.unbind(0)):
-        cache.index_copy_(2, idx, layer)
+        byte_view(cache).index_copy_(2, idx, layer)
 
 
 def head_slice(data: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.layers.attention.kv_int8 import row_width
+from engine.layers.attention.kv_quant import is_quantized_cache, storage_row_width
 
 
 @dataclass(frozen=True)
@@ -22,11 +22,11 @@ class KVLayout:
     num_kv_heads: int  # all of the model's, not one rank's
     head_dim: int
     block_size: int
-    dtype: str  # the cache's torch dtype name, e.g. "float32"; "int8": rows carry their scales
+    dtype: str  # the cache's torch dtype name, e.g. "float32"; "int8"/"float8_e4m3fn": rows carry their scales
 
     @property
     def row_width(self) -> int:
-        return row_width("int8" if self.dtype == "int8" else "auto", self.head_dim)
+        return storage_row_width(getattr(torch, self.dtype), self.head_dim)
 
     def check_matches(self, other: KVLayout) -> None:
         if self != other:
@@ -52,6 +52,17 @@ class KVBlocks:
     @property
     def num_blocks(self) -> int:
         return self.data.shape[3]
+
+    # PyTorch cannot unpickle a float8 tensor (its storage has no dtype): a quantized payload
+    # travels as its bytes and is viewed back on arrival.
+    def __getstate__(self) -> dict:
+        data = self.data.view(torch.uint8) if is_quantized_cache(self.data.dtype) else self.data
+        return {**self.__dict__, "data": data, "dtype": self.data.dtype}
+
+    def __setstate__(self, state: dict) -> None:
+        dtype = state.pop("dtype")
+        self.__dict__.update(state)
+        self.data = self.data.view(dtype)
 
     @property
     def nbytes(self) -> int:

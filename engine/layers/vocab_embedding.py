@@ -46,13 +46,17 @@ class VocabParallelEmbedding(nn.Module):
         """Only a GGUF's own blocks (e.g. a Q8_0 token embedding) stay quantized here: the lookup
         unpacks the rows it needs. A float embedding stays float."""
         if has_blocks(self.weight):
-            self.weight = quantize_param(self.weight, spec)
+            self.weight = quantize_param(self.weight, spec, keep_rows=True)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.uint8:
             from engine.layers.quant.int4 import embedding_int4
 
             return embedding_int4(self.weight, ids, self.dtype or torch.get_default_dtype())
+        if self.weight.dtype == torch.int32:
+            from engine.layers.quant.cuda_int4 import embedding_int4_cuda
+
+            return embedding_int4_cuda(self.weight, ids, self.dtype or torch.get_default_dtype())
         return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def load_model(
         return model.eval()
     sources = [gguf_file] if spec.method == "gguf" else [Path(f) for f in safetensors_files(model_dir)]
     tp = get_tp_group()
-    saved = quant_checkpoint.cache_path(sources, str(spec), dtype, tp.rank, tp.size)
+    saved = quant_checkpoint.cache_path(sources, str(spec), dtype, tp.rank, tp.size, torch.device(device).type)
     if saved.is_file():
         quant_checkpoint.load(model, saved)
     else:

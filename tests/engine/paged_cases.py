@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.attn_metadata_builder import build_step_batch
+from engine.layers.attention.kv_quant import SCALE_BYTES, is_quantized_cache
 from engine.runner_state import RunnerRequestState
 
 
@@ -28,10 +29,13 @@ def run_backend(backend, states, counts, cache, hq, scale, seed=1, dtype=None):
     """(output rows, cache after the write) of one step of `backend` over a copy of `cache`."""
     cache = cache.clone()
     _, hkv, _, bs, d = cache.shape
+    if is_quantized_cache(cache.dtype):
+        d -= SCALE_BYTES  # rows carry their scales
     batch = build_step_batch(states, counts, bs, cache.device, decode_buckets=backend.uses_decode_buckets)
     t = sum(counts)
     g = torch.Generator().manual_seed(seed)
     dtype = dtype or cache.dtype
+    assert not is_quantized_cache(dtype), "a quantized cache takes float q/k/v: pass dtype"
     q, k, v = (torch.randn(t, h, d, generator=g).to(cache.device, dtype) for h in (hq, hkv, hkv))
     return backend.forward(q, k, v, cache, batch.meta, scale), cache
 
@@ -39,3 +43,10 @@ def run_backend(backend, states, counts, cache, hq, scale, seed=1, dtype=None):
 def random_cache(hkv, num_blocks, block_size, d, dtype, device, seed=2):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(2, hkv, num_blocks, block_size, d, generator=g).to(device, dtype)
+
+
+def random_quant_cache(hkv, num_blocks, block_size, d, storage, device, seed=2):
+    """A cache of quantized rows (int8 or float8_e4m3fn values + float16 scales, kv_quant.py)."""
+    from engine.layers.attention.kv_quant import quantize_rows
+
+    return quantize_rows(random_cache(hkv, num_blocks, block_size, d, torch.float32, "cpu", seed), storage).to(device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.attn_metadata_builder import build_step_batch
-from engine.layers.attention.kv_int8 import dequantize_rows, quantize_rows, round_trip
+from engine.layers.attention.kv_quant import dequantize_rows, quantize_rows, round_trip
 from engine.layers.attention.selector import get_backend
 from tests.engine.test_attention_backends import SHAPES, _batch, _Recording
 

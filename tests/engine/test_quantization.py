@@ -73,9 +73,14 @@ def test_int8_weights_perplexity_within_one_percent_of_float32():
     assert abs(ppl_q / ppl_f - 1) < 0.01, (ppl_f, ppl_q)
 
 
-def test_quantization_off_cpu_is_refused_before_loading():
-    with pytest.raises(InvalidRequestError, match="runs on CPU"):
-        LLM(quantization="int8", device="cuda", dtype="float32", num_threads=1)
+def test_quantization_off_cpu_and_cuda_is_refused_before_loading():
+    from engine.layers.quant.spec import check_quantization_device
+
+    check_quantization_device("int4", torch.device("cpu"))
+    with pytest.raises(InvalidRequestError, match="runs on CPU and CUDA"):
+        check_quantization_device("int8", torch.device("mps"))
+    with pytest.raises(InvalidRequestError, match="runs on CPU and CUDA"):
+        LLM(quantization="int8", device="meta", dtype="float32", num_threads=1)
 
 
 def test_unknown_quantization_is_refused():

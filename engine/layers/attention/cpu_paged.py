@@ -1,5 +1,5 @@
 """CPU backend: cache writes, decode rows and prompt chunks through the C++ ops (PyTorch's
-reference path wherever an op does not apply). An int8 cache (kv_int8.py) is quantized by the
+reference path wherever an op does not apply). An int8 cache (kv_quant.py) is quantized by the
 write op and read as it is by the decode and prompt ops, with q and out in the model's dtype."""
 
 from __future__ import annotations

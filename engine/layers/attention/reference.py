@@ -2,7 +2,7 @@
 
 Cache layout per layer: [2, Hkv, num_blocks, block_size, D]. Gathering whole blocks along
 dim 2 yields K as [Hkv, b, L, D] contiguous, which SDPA and matmul use without another copy.
-An int8 cache has rows of D + 2 (values, then a float16 scale: kv_int8.py); rows are
+An int8 or fp8 cache has rows of D + 2 (values, then a float16 scale: kv_quant.py); rows are
 quantized as they are written and dequantized as they are gathered.
 GQA without copying K/V: the G query heads that share one KV head are laid out as G query
 rows against that head.
@@ -14,23 +14,25 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.attention.backend import AttentionBackend
-from engine.layers.attention.kv_int8 import dequantize_rows, quantize_rows, round_trip
+from engine.layers.attention.kv_quant import byte_view, dequantize_rows, is_quantized_cache, quantize_rows, round_trip
 from engine.layers.attention.metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     _, hkv, nb, bs, w = kv_cache.shape
-    rows = quantize_rows if kv_cache.dtype == torch.int8 else (lambda x: x.to(kv_cache.dtype))
-    kv_cache[0].view(hkv, nb * bs, w).index_copy_(1, slot_mapping, rows(k.transpose(0, 1)))
-    kv_cache[1].view(hkv, nb * bs, w).index_copy_(1, slot_mapping, rows(v.transpose(0, 1)))
+    dt = kv_cache.dtype
+    rows = (lambda x: quantize_rows(x, dt).view(torch.uint8)) if is_quantized_cache(dt) else (lambda x: x.to(dt))
+    cache = byte_view(kv_cache)
+    cache[0].view(hkv, nb * bs, w).index_copy_(1, slot_mapping, rows(k.transpose(0, 1)))
+    cache[1].view(hkv, nb * bs, w).index_copy_(1, slot_mapping, rows(v.transpose(0, 1)))
 
 
 def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int, dtype: torch.dtype) -> torch.Tensor:
-    """[Hkv, num_blocks, bs, D] -> [Hkv, b, L, D] in `dtype`, contiguous (an int8 cache's rows
-    dequantized)."""
+    """[Hkv, num_blocks, bs, D] -> [Hkv, b, L, D] in `dtype`, contiguous (a quantized cache's
+    rows dequantized)."""
     hkv, nb, bs, w = cache.shape
-    out = cache.view(hkv, nb, bs * w).index_select(1, flat_block_ids).view(hkv, b, -1, w)
-    return dequantize_rows(out, dtype) if cache.dtype == torch.int8 else out.to(dtype)
+    out = byte_view(cache).view(hkv, nb, bs * w).index_select(1, flat_block_ids).view(hkv, b, -1, w)
+    return dequantize_rows(out.view(cache.dtype), dtype) if is_quantized_cache(cache.dtype) else out.to(dtype)
 
 
 def decode_attention(
@@ -93,8 +95,8 @@ class ReferenceAttentionBackend(AttentionBackend):
         t, hq, d = q.shape
         hkv = kv_cache.shape[1]
         g = hq // hkv
-        if meta.prefills and kv_cache.dtype == torch.int8:
-            k, v = round_trip(k), round_trip(v)
+        if meta.prefills and is_quantized_cache(kv_cache.dtype):
+            k, v = round_trip(k, kv_cache.dtype), round_trip(v, kv_cache.dtype)
         for pc in meta.prefills:
             n = pc.num_new
             rows = slice(pc.start, pc.start + n)

@@ -5,6 +5,11 @@ One program computes one tile of a sequence's new tokens against one KV head. Th
 heads sharing that KV head become G rows per token, so GQA costs no K/V copies and a decode
 row still fills a tensor-core tile (BLOCK_M >= 16). The same kernel serves decode rows
 (one new token each) and prompt chunks (many; causal over cached + new positions).
+
+A quantized cache (int8 or fp8 rows, kv_quant.py) is read as it is: the values widen to q's
+dtype (exactly: |int8| <= 127 and every e4m3 value fit bf16), each key row's scale multiplies
+its column of scores and each value row's scale its column of probabilities, so no
+dequantized copy of a row is made.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.layers.attention.kv_quant import is_quantized_cache
 
 
 @triton.jit
@@ -42,6 +49,7 @@ def _paged_attention(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq, tile, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row0 = tl.load(info_ptr + seq * stride_info)  # first row of this sequence in q
@@ -74,26 +82,29 @@ def _paged_attention(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         blk = tl.load(table_ptr + seq * stride_table + offs_n // BS, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(
-            k_base + (blk * stride_kb + (offs_n % BS) * stride_ks)[:, None] + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        k_row = k_base + blk * stride_kb + (offs_n % BS) * stride_ks
+        k = tl.load(k_row[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:  # the row's float16 scale sits after its D values
+            k_scale = tl.load((k_row + D).to(tl.pointer_type(tl.float16)), mask=n_ok, other=0.0).to(tl.float32)
+            k = k.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if QUANT:
+            s = s * k_scale[None, :]
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None]), s * scale, float("-inf"))
         # Key 0 is visible to every row in the first tile, so m_new is finite from then on.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + (blk * stride_vb + (offs_n % BS) * stride_vs)[:, None] + offs_d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+        v_row = v_base + blk * stride_vb + (offs_n % BS) * stride_vs
+        v = tl.load(v_row[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:
+            v_scale = tl.load((v_row + D).to(tl.pointer_type(tl.float16)), mask=n_ok, other=0.0).to(tl.float32)
+            p = p * v_scale[None, :]
+            v = v.to(q.dtype)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -122,8 +133,12 @@ def paged_attention(
 ) -> None:
     """out[rows] = attention of q's rows for each sequence in `info` ([S, 3] int32: first row,
     new tokens, cached tokens) over its blocks in `block_table` ([S, max_blocks] int32).
-    q/out [T, Hq, D]; k_cache/v_cache [Hkv, num_blocks, block_size, D] (last dim contiguous)."""
+    q/out [T, Hq, D]; k_cache/v_cache [Hkv, num_blocks, block_size, D] (last dim contiguous), or
+    D + 2 for a quantized cache (int8/float8_e4m3fn rows with their scales; q stays float)."""
     hq, d = q.shape[1], q.shape[2]
+    quant = is_quantized_cache(k_cache.dtype)
+    if not quant and q.dtype != k_cache.dtype:
+        raise ValueError(f"q is {q.dtype}, the cache {k_cache.dtype}")
     hkv, bs = k_cache.shape[0], k_cache.shape[2]
     g = hq // hkv
     block_m = max(block_m, triton.next_power_of_2(g), 16)
@@ -156,6 +171,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
+        QUANT=quant,
         num_warps=4,
         num_stages=2,
     )

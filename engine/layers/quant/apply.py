@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from engine.layers.quant.blocks import BLOCK, assemble
-from engine.layers.quant.int4 import group_size_for, pack_int4, quantize_int4
+from engine.layers.quant.cuda_int4 import pack_int4_cuda
+from engine.layers.quant.int4 import group_size_for, pack_int4, quantize_groups, quantize_int4
 from engine.layers.quant.int8 import quantize_int8
 from engine.layers.quant.spec import QuantSpec
 
@@ -15,22 +16,31 @@ def has_blocks(param: torch.Tensor) -> bool:
     return bool(getattr(param, "block_parts", None))
 
 
-def quantize_param(param: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False) -> torch.Tensor:
     """GGUF blocks the loader left on the parameter are packed as they are (8-bit Q8_0 values
-    as two nibbles, int4.py); a float weight is quantized per `spec` ("gguf": stays float)."""
+    as two nibbles, int4.py); a float weight is quantized per `spec` ("gguf": stays float).
+    On CUDA int4 goes to tinygemm's pack (cuda_int4.py; `keep_rows`: an embedding's lookup
+    needs plain rows too); int8's kernel (`_weight_int8pack_mm`) runs on both devices."""
+    cuda = param.device.type == "cuda"
     if has_blocks(param):
         w = assemble(param.block_parts, param.shape[0])
         q, scale, minimum = w.as_nibbles(split=w.bits == 8)
+        if cuda:
+            q, scale, minimum = (t.to(param.device) for t in (q, scale, minimum))
+            return pack_int4_cuda(q, scale, minimum, BLOCK, split=w.bits == 8, keep_rows=keep_rows)
         return pack_int4(q, scale, minimum, BLOCK, split=w.bits == 8)
     if spec.method == "int8":
         return quantize_int8(param)
     if spec.method == "int4":
-        return quantize_int4(param, group_size_for(param.shape[1], spec.group_size))
+        group = group_size_for(param.shape[1], spec.group_size)
+        if cuda:
+            return pack_int4_cuda(*quantize_groups(param, group), group, keep_rows=keep_rows)
+        return quantize_int4(param, group)
     return param
 
 
 def is_quantized(w: torch.Tensor | None) -> bool:
-    return w is not None and w.dtype in (torch.int8, torch.uint8)
+    return w is not None and w.dtype in (torch.int8, torch.uint8, torch.int32)  # int32: CUDA's int4 pack
 
 
 __all__ = ["has_blocks", "is_quantized", "quantize_param"]

@@ -6,6 +6,11 @@ quarter of float32's bytes (measured on SmolLM2's shapes, 2-core AVX2: 1536x576 
 59 us against 100 us float32; the 49152x576 LM head 2.6 ms against 9.2 ms). Past
 INT8_MM_ROWS rows (prompt chunks) the step is compute-bound and that kernel falls behind a
 float GEMM, so the weight is dequantized for the call instead (a transient copy).
+
+On CUDA PyTorch's int8 kernel is far slower than cuBLAS at every row count (H100, ~1B Llama:
+76 against 367 tok/s at batch 1, 392 against 6,570 at batch 32), so there the int8 weight is
+always widened for the call and the per-channel scale applied to the output: int8 on a GPU
+saves weight memory, not time (`python -m bench.bench_gpu`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ def quantize_int8(w: torch.Tensor) -> nn.Parameter:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a weight from `quantize_int8`, in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= INT8_MM_ROWS:
+    if x2.is_cuda:
+        y = F.linear(x2, weight.to(x.dtype)) * weight.scale.to(x.dtype)
+        if bias is not None:
+            y += bias
+    elif x2.shape[0] <= INT8_MM_ROWS:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), weight, weight.scale_bf16).to(x.dtype)
         if bias is not None:
             y += bias

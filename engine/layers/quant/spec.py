@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from engine.errors import InvalidRequestError
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -34,3 +36,17 @@ def parse_quantization(value: str | None) -> QuantSpec | None:
         group = int(value.split(":g")[1]) if ":g" in value else INT4_DEFAULT_GROUP
         return QuantSpec("int4", group)
     return QuantSpec(value)
+
+
+def check_quantization_device(value: str, device: torch.device) -> None:
+    """Quantized weights run on CPU (PyTorch's CPU int8/int4 kernels) and on CUDA (its int8
+    kernel and tinygemm's int4, which needs compute capability 8.0+); refuse others up front."""
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise InvalidRequestError(f"quantization={value!r} runs on CPU and CUDA; on {device} serve float weights")
+    if not value.startswith("int8") and torch.cuda.get_device_capability(device) < (8, 0):
+        raise InvalidRequestError(
+            f"quantization={value!r} on CUDA uses the int4 tensor-core kernel (compute capability 8.0+); "
+            f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}: use int8"
+        )
