@@ -6,7 +6,7 @@ to its 4 rows; bf16 activations; with PyTorch's bf16 scales as int4_linear runs 
 exact ones: float16 as a GGUF's are, float32 as int4 from float weights has them), and
 dequantize + float32 GEMM. Median ms per step.
 
-    python -m bench.bench_quant_kernels --group 32 --rows 1 4 16 32 64 128 256
+    python -m bench.bench_quant_kernels --group 32 --rows 1 4 16 32 64 128 256 512
 """
 
 from __future__ import annotations
@@ -78,6 +78,13 @@ def main(argv=None) -> None:
             r["dequant+f32"] = median_time(
                 lambda: [F.linear(xs[k], dequantize_int4(w)) for w, (n, k) in zip(i4, shapes)], 3
             )
+            # The bf16 GEMM alone over the int4 weights widened beforehand: what widening per
+            # call could reach at large steps with a dequantize that costs next to nothing.
+            wide = [dequantize_int4(w, torch.bfloat16) for w in i4]
+            r["bf16 GEMM of widened int4"] = median_time(
+                lambda: [F.linear(xb[k], w) for w, (n, k) in zip(wide, shapes)], a.reps
+            )
+            del wide
         print(f"rows {m}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items()), flush=True)
 
 
