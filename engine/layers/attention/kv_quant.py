@@ -23,7 +23,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_BYTES = 2
 _FP16_MAX = 65504.0
 _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
-_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # a row's absmax maps to this
 
 
 def check_kv_cache_dtype(name: str) -> str:
@@ -55,7 +55,7 @@ def cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.
 
 def is_quantized_cache(dtype: torch.dtype) -> bool:
     """A cache tensor of this dtype holds quantized rows with their scales."""
-    return dtype in _QMAX
+    return dtype in QMAX
 
 
 def row_width(kv_cache_dtype: str, head_dim: int) -> int:
@@ -76,7 +76,7 @@ def byte_view(cache: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor, storage: torch.dtype = torch.int8) -> torch.Tensor:
     """[..., D] float -> [..., D + 2] `storage` (int8 or float8_e4m3fn): the values, then the
     float16 scale's bytes."""
-    qmax = _QMAX[storage]
+    qmax = QMAX[storage]
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / qmax).clamp_(max=_FP16_MAX).to(torch.float16)
     s = scale.float()

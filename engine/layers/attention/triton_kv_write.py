@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.attention.kv_quant import _QMAX
+from engine.layers.attention.kv_quant import QMAX
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def write_quantized_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat.stride(2),
         D=d,
         BLOCK_D=triton.next_power_of_2(d),
-        QMAX=_QMAX[kv_cache.dtype],
+        QMAX=QMAX[kv_cache.dtype],
         INT8=kv_cache.dtype == torch.int8,
         num_warps=1,
     )

@@ -20,7 +20,7 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
     """GGUF blocks the loader left on the parameter are packed as they are (8-bit Q8_0 values
     as two nibbles, int4.py); a float weight is quantized per `spec` ("gguf": stays float).
     On CUDA int4 goes to tinygemm's pack (cuda_int4.py; `keep_rows`: an embedding's lookup
-    needs plain rows too); int8's kernel (`_weight_int8pack_mm`) runs on both devices."""
+    needs plain rows too); int8 is the same tensor on both devices (int8.py runs it)."""
     cuda = param.device.type == "cuda"
     if has_blocks(param):
         w = assemble(param.block_parts, param.shape[0])
