@@ -22,7 +22,6 @@ _ATTRS = (
     "scale",
     "scale_bf16",
     "scale_min",
-    "scales_zeros",
     "scales_zeros_bf16",
     "rows",
 )  # tensors that travel with a quantized weight

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.router.conftest import metrics
+from tests.router.conftest import BASE, metrics
 from tests.serve_cluster import serve_app
 
 APP = "pd"
@@ -19,10 +19,8 @@ LOCAL_MAX = 16
 BLOCK_BYTES = 2 * 30 * 3 * 16 * 64 * 4  # SmolLM2-135M, float32, 16-token blocks: all layers, K and V
 # The AppConfig fields every P/D app of these tests shares (one torch thread per process).
 PD_BASE = dict(
-    dtype="float32",
+    BASE,
     kv_cache_memory_bytes=32 << 20,
-    num_threads=1,
-    cpus_per_worker=1.0,
     num_replicas=1,
     prefill_replicas=1,
     local_prefill_max_tokens=LOCAL_MAX,

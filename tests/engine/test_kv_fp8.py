@@ -12,11 +12,11 @@ import pickle
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.core.block_hash import kv_hash_root
 from engine.errors import InvalidRequestError
-from tests.engine.test_kv_int8 import kv_perplexity_change
-from tests.engine.test_kv_transfer import LONG, LONGER, SHORT, _assert_pools_whole, _run_pd
+from tests.engine.test_kv_int8 import kv_hand_off, kv_perplexity_change
+from tests.engine.test_kv_transfer import _assert_pools_whole
 
 ARGS = dict(num_threads=2, max_model_len=2048, max_num_batched_tokens=512)
 
@@ -53,31 +53,20 @@ def test_the_kv_dtypes_salt_block_hashes_apart():
 
 
 def test_fp8_kv_hand_off_moves_float8_rows_with_their_scales(reference_backend):
-    kw = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", num_threads=2, max_model_len=512)
-    colocated = LLM(**kw)
-    prefill = LLM(kv_transfer_config={"role": "prefill"}, **kw)
-    decode = LLM(kv_transfer_config={"role": "decode", "local_prefill_max_tokens": 16}, **kw)
-    try:
-        params = [SamplingParams(temperature=0, max_tokens=16, logprobs=2) for _ in range(3)]
-        prompts = [SHORT, LONG, LONGER]
-        expected = colocated.generate(prompts, params, use_tqdm=False)
-        got, moved = _run_pd(decode, prefill, prompts, params)
+    with kv_hand_off("fp8_e4m3") as h:
         # Not token for token: the prefill engine's K/V come from other GEMM shapes than the
         # colocated batch's, and a last-bit difference can move a value across an e4m3 rounding
         # boundary (a 6% step, 16x int8's), which can flip a later near-tie (seen at token 7).
-        for a, b in zip(got, expected):
+        for a, b in zip(h.got, h.expected):
             assert a.error is None and len(a.outputs[0].token_ids) == 16
             assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
-        assert moved and all(
-            b.data.dtype == torch.float8_e4m3fn and b.layout.dtype == "float8_e4m3fn" for _, b in moved
+        assert h.moved and all(
+            b.data.dtype == torch.float8_e4m3fn and b.layout.dtype == "float8_e4m3fn" for _, b in h.moved
         )
-        blk = moved[0][1]
-        assert blk.data.shape[-1] == decode.engine.model_config.head_dim + 2
+        blk = h.moved[0][1]
+        assert blk.data.shape[-1] == h.decode.engine.model_config.head_dim + 2
         back = pickle.loads(pickle.dumps(blk))  # what Ray's object store does to it
         assert back.data.dtype == blk.data.dtype and torch.equal(
             back.data.view(torch.uint8), blk.data.view(torch.uint8)
         )
-        _assert_pools_whole(decode, prefill)
-    finally:
-        for llm in (colocated, prefill, decode):
-            llm.shutdown()
+        _assert_pools_whole(h.decode, h.prefill)

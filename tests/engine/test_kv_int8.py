@@ -6,6 +6,10 @@ hand-off moving the scales with the values (a float/int8 mismatch refused)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
+
 import torch
 
 from engine import LLM, SamplingParams
@@ -80,25 +84,33 @@ def test_the_kv_dtype_salts_block_hashes_and_the_router_computes_the_same():
         llm.shutdown()
 
 
-def _kv_llm(**kw) -> LLM:
-    return LLM(dtype="float32", kv_cache_dtype="int8", num_threads=2, max_model_len=512, **kw)
-
-
-def test_int8_kv_hand_off_moves_the_scales_and_a_float_payload_is_refused():
-    colocated = _kv_llm()
-    prefill = _kv_llm(kv_transfer_config={"role": "prefill"})
-    decode = _kv_llm(kv_transfer_config={"role": "decode", "local_prefill_max_tokens": 16})
+@contextlib.contextmanager
+def kv_hand_off(kv_cache_dtype: str) -> Iterator[SimpleNamespace]:
+    """Colocated, prefill and decode engines with this KV cache dtype: 3 greedy prompts run
+    colocated (`expected`) and through the P/D hand-off (`got`, the `moved` blocks); the engines
+    are shut down after."""
+    kw = dict(dtype="float32", kv_cache_dtype=kv_cache_dtype, num_threads=2, max_model_len=512)
+    roles = [None, {"role": "prefill"}, {"role": "decode", "local_prefill_max_tokens": 16}]
+    engines: list[LLM] = []
     try:
+        for role in roles:
+            engines.append(LLM(kv_transfer_config=role, **kw))
+        colocated, prefill, decode = engines
         params = [SamplingParams(temperature=0, max_tokens=16, logprobs=2) for _ in range(3)]
         prompts = [SHORT, LONG, LONGER]
         expected = colocated.generate(prompts, params, use_tqdm=False)
         got, moved = _run_pd(decode, prefill, prompts, params)
-        for a, b in zip(got, expected):
-            _same(a, b, logprob_tol=1e-3)
-        assert moved and all(blk.data.dtype == torch.int8 and blk.layout.dtype == "int8" for _, blk in moved)
-        assert moved[0][1].data.shape[-1] == decode.engine.model_config.head_dim + 2  # values + scale
-        _assert_pools_whole(decode, prefill)
-        assert_other_dtype_refused(decode, "float32")  # a float cache's payload: refused
+        yield SimpleNamespace(prefill=prefill, decode=decode, expected=expected, got=got, moved=moved)
     finally:
-        for llm in (colocated, prefill, decode):
+        for llm in engines:
             llm.shutdown()
+
+
+def test_int8_kv_hand_off_moves_the_scales_and_a_float_payload_is_refused():
+    with kv_hand_off("int8") as h:
+        for a, b in zip(h.got, h.expected):
+            _same(a, b, logprob_tol=1e-3)
+        assert h.moved and all(blk.data.dtype == torch.int8 and blk.layout.dtype == "int8" for _, blk in h.moved)
+        assert h.moved[0][1].data.shape[-1] == h.decode.engine.model_config.head_dim + 2  # values + scale
+        _assert_pools_whole(h.decode, h.prefill)
+        assert_other_dtype_refused(h.decode, "float32")  # a float cache's payload: refused

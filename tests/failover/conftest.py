@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.router.conftest import metrics
+from tests.router.conftest import BASE, metrics
 from tests.serve_cluster import serve_app
 
 APP = "failover"
@@ -22,15 +22,7 @@ MAX_TOKENS = 64
 
 @pytest.fixture(scope="package")
 def failover_cluster():
-    with serve_app(
-        APP,
-        dtype="float32",
-        kv_cache_memory_bytes=32 << 20,
-        num_threads=1,
-        cpus_per_worker=1.0,
-        num_replicas=4,
-        drain_timeout_s=3.0,
-    ) as cluster:
+    with serve_app(APP, **{**BASE, "kv_cache_memory_bytes": 32 << 20}, num_replicas=4, drain_timeout_s=3.0) as cluster:
         yield cluster
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.router.conftest import BASE
 from tests.serve_cluster import serve_app
 
 APP = "cache"
@@ -12,14 +13,6 @@ APP = "cache"
 
 @pytest.fixture(scope="package")
 def cache_cluster():
-    with serve_app(
-        APP,
-        dtype="float32",
-        kv_cache_memory_bytes=16 << 20,
-        num_threads=1,
-        cpus_per_worker=1.0,
-        num_replicas=3,
-        routing="cache-aware",
-        max_num_seqs=16,
-    ) as cluster:
+    small_kv = {**BASE, "kv_cache_memory_bytes": 16 << 20}
+    with serve_app(APP, **small_kv, num_replicas=3, routing="cache-aware", max_num_seqs=16) as cluster:
         yield cluster

@@ -58,14 +58,14 @@ def is_quantized_cache(dtype: torch.dtype) -> bool:
     return dtype in QMAX
 
 
-def row_width(kv_cache_dtype: str, head_dim: int) -> int:
-    """Elements of one cache row (the cache's last dim)."""
-    return head_dim + SCALE_BYTES if kv_cache_dtype in _STORAGE else head_dim
-
-
 def storage_row_width(storage: torch.dtype, head_dim: int) -> int:
-    """The same, from the cache tensor's dtype (the KV hand-off's layout names that)."""
+    """Elements of one cache row (the cache's last dim), from the cache tensor's dtype."""
     return head_dim + SCALE_BYTES if is_quantized_cache(storage) else head_dim
+
+
+def row_width(kv_cache_dtype: str, head_dim: int) -> int:
+    """The same, from the kv_cache_dtype setting."""
+    return storage_row_width(_STORAGE.get(kv_cache_dtype, torch.float32), head_dim)
 
 
 def byte_view(cache: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,16 @@ group, `(q - 8) * s + z`, and the same "two nibbles" form of 8-bit GGUF blocks.
 
 The kernel's layout is opaque (`_convert_weight_to_int4pack` tiles it for the tensor cores), so
 a quantized token embedding (a GGUF's own blocks) keeps its nibbles in plain row order too
-(`.rows`, half a byte per weight, float32 scales) for the lookup; linears keep only the pack.
+(`.rows`, half a byte per weight, with `.scale_min` as int4.py keeps it) for the lookup;
+linears keep only the pack.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from engine.layers.quant.int4 import dequantize_groups
 
 PAD_ROWS = 8  # the pack takes output rows in multiples of 8
 
@@ -32,7 +35,7 @@ def pack_int4_cuda(
 ) -> nn.Parameter:
     """q: [N, K'] 0..15 on the GPU; scale, minimum: [N, K'/g]. Returns the packed int32
     parameter with `.scales_zeros_bf16` ([K'/g, N, 2], what the kernel takes), `.group_size`,
-    `.two_nibbles`, `.out_features` and, with keep_rows, `.rows` + `.scales_zeros` (lookups)."""
+    `.two_nibbles`, `.out_features` and, with keep_rows, `.rows` + `.scale_min` (lookups)."""
     n, k = q.shape
     pad = -n % PAD_ROWS
     if pad:
@@ -41,10 +44,13 @@ def pack_int4_cuda(
     q = q.to(torch.uint8)
     pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()  # even inputs in the high nibble
     param = nn.Parameter(torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles(k)), requires_grad=False)
-    sz = torch.stack([scale.float().t(), (minimum.float() + 8 * scale.float()).t()], dim=-1).contiguous()
-    param.scales_zeros_bf16 = sz.to(torch.bfloat16)
+    scale, minimum = scale.float(), minimum.float()
+    sz = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1)  # the kernel's (q - 8) * s + z
+    param.scales_zeros_bf16 = sz.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
-    param.rows, param.scales_zeros = (pairs[:n], sz[:, :n].contiguous()) if keep_rows else (None, None)
+    param.rows, param.scale_min = (
+        (pairs[:n], torch.stack([scale[:n].t(), minimum[:n].t()]).contiguous()) if keep_rows else (None, None)
+    )
     return param
 
 
@@ -66,11 +72,6 @@ def embedding_int4_cuda(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dt
         raise RuntimeError("this int4 weight was packed without its rows (pack_int4_cuda keep_rows)")
     flat = ids.reshape(-1)
     pairs = weight.rows[flat]  # [T, K'/2]
-    q = torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(len(flat), -1).float()
-    t, k = q.shape
-    g = weight.group_size
-    sz = weight.scales_zeros[:, flat]  # [K'/g, T, 2]
-    w = ((q.view(t, k // g, g) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view(t, k)
-    if weight.two_nibbles:
-        w = w[:, : k // 2] + w[:, k // 2 :]
-    return w.to(dtype).reshape(*ids.shape, w.shape[-1])
+    q = torch.stack([pairs >> 4, pairs & 15], dim=-1).reshape(len(flat), -1)
+    w = dequantize_groups(q, weight.scale_min[:, :, flat], weight.group_size, weight.two_nibbles, dtype)
+    return w.reshape(*ids.shape, w.shape[-1])

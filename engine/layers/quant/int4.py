@@ -120,7 +120,15 @@ def dequantize_packed(
     packed: torch.Tensor, scale_min: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
 ) -> torch.Tensor:
     """Packed nibbles and their [2, K'/g, N] scales and mins -> the float weight [N, in_features]."""
-    q = unpack_nibbles(packed).float()
+    return dequantize_groups(unpack_nibbles(packed), scale_min, group_size, split, dtype)
+
+
+def dequantize_groups(
+    q: torch.Tensor, scale_min: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """q [N, K'] 0..15 and their [2, K'/g, N] scales and mins -> the float weight [N, in_features]
+    (the two halves of a two-nibble weight summed)."""
+    q = q.float()
     n, k = q.shape
     s, mn = scale_min[0].t().float(), scale_min[1].t().float()  # [N, K'/g]
     w = (q.view(n, k // group_size, group_size) * s[..., None] + mn[..., None]).view(n, k)
