@@ -19,6 +19,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.weight_utils import default_weight_loader
+from engine.model.fused_decode import FusedDecode
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -112,11 +113,19 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._fused: FusedDecode | None | bool = False  # False: not built yet (weights load first)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        x = self.embed_tokens(input_ids)
+        if self._fused is False:
+            self._fused = FusedDecode.for_model(self)
+        fused = self._fused.run(x, positions) if self._fused is not None else None
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
         return x
 

@@ -1,25 +1,15 @@
 // The CPU ops module: paged decode and prefill attention (paged_decode.cpp, prefill_attention.cpp),
 // the few-row linears of low-concurrency decode (small_linear.cpp, int4_linear.cpp),
 // the paged cache write (kv_write.cpp), the greedy row argmax (argmax.cpp) and the fused
-// RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), built once per source version
+// RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), a few-row decode step's decoder
+// layers in one call (decode_layers.cpp), built once per source version
 // by engine/kernels/cpu_ops.py.
 #include <torch/extension.h>
-#include <optional>
 #include "simd16.h"
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
-void write_kv(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
-void write_kv_int8(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
-torch::Tensor argmax_rows(torch::Tensor x);
-bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                       torch::Tensor info, double scale, torch::Tensor out);
-bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
-bool silu_and_mul(torch::Tensor x, torch::Tensor out);
-bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out);
-bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
-                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out);
-bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+#include "ops.h"
+
+void bind_decode_layers(pybind11::module& m);  // decode_layers.cpp
 
 // Which vector path this build has (benchmarks and tests report it).
 static std::string isa() {
@@ -47,4 +37,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_small_linear", &int4_small_linear,
         "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable");
   m.def("isa", &isa, "vector path compiled in");
+  bind_decode_layers(m);
 }

@@ -1,0 +1,156 @@
+"""A decode step of a few rows through all decoder layers in one C++ call (`DecodeLayers`,
+engine/kernels/cpu/decode_layers.cpp).
+
+At one row a step is ~300 small ops; the Python modules, the dispatcher and each op's checks
+around them cost about as much as the kernels (`python -m bench.bench_fused_decode`). The C++ call
+runs the very ops the layers call, in the same order on the same values, so its hidden states are
+bit-identical (tests/engine/test_fused_decode.py). It applies where every layer would take the
+C++ path anyway: CPU, tensor parallel size 1, the `cpu_paged` attention backend with a cache in
+the model's dtype or int8, the few-row linear op for every weight (float, or PyTorch's int4
+pack), and a step of at most SMALL_ROWS decode tokens and no prompt chunk. Anything else runs
+the layers as modules. `ORBITAL_FUSED_DECODE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.forward_context import get_attn_metadata
+from engine.layers.attention.cpu_paged import CpuPagedAttentionBackend
+from engine.layers.packed_gemm import SMALL_ROWS, _vector_ops, small_linear_ops
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaModel
+
+
+def _linear_parts(module: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
+    """(weight, int4 scales or None, bias or None, group size, out features) as the module's
+    few-row path calls its op; None where the module would not take that path (asked of the op
+    itself on a zero row: it declines some shapes, and the module then runs another kernel)."""
+    parts = _linear_candidate(module)
+    if parts is None:
+        return None
+    w, scales, bias, group_size, n = parts
+    ops = small_linear_ops()
+    k = module.input_size_per_partition if hasattr(module, "input_size_per_partition") else module.input_size
+    x, y = torch.zeros(1, k, dtype=dtype), torch.empty(1, n, dtype=dtype)
+    if scales is not None:
+        from engine.layers.quant.int4 import pack_layout
+
+        ok = ops.int4_small_linear(x, w, scales, group_size, pack_layout()[1], None, y)
+    else:
+        ok = ops.small_linear(x, w, bias, y)
+    return parts if ok else None
+
+
+def _linear_candidate(module: torch.nn.Module) -> tuple | None:
+    w = module.weight
+    bias = getattr(module, "bias", None)
+    if getattr(module, "tp_size", 1) != 1:
+        return None
+    if w.dtype == torch.uint8:
+        from engine.layers.quant.int4 import pack_layout
+        from engine.layers.quant.int4 import small_linear_ops as int4_ops
+
+        if int4_ops() is None or pack_layout() != ("halves", 64):
+            return None
+        return w.data, w.scales_zeros_bf16, bias, w.group_size, w.out_features
+    if w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    plain, ops = (getattr(w, "plain", None), _vector_ops(True)) if w.is_mkldnn else (w, small_linear_ops())
+    if plain is None or ops is None:
+        return None
+    return plain, None, bias, 0, plain.shape[0]
+
+
+def _elementwise_ops_apply(ops: object, model: LlamaModel) -> bool:
+    """Whether rms_norm, rotary and silu_and_mul take this model's rows (each declines some head
+    sizes and widths, and the layers then run PyTorch's version): asked once, on a dummy row."""
+    layer = model.layers[0]
+    sa, dtype = layer.self_attn, model.norm.weight.dtype
+    hidden = layer.input_layernorm.weight.shape[0]
+    width = (sa.qkv_proj.num_heads + 2 * sa.qkv_proj.num_kv_heads) * sa.head_dim
+    inter = sum(layer.mlp.gate_up_proj.output_sizes) // 2
+    heads = sa.qkv_proj.num_heads + sa.qkv_proj.num_kv_heads
+    positions = torch.zeros(1, dtype=torch.int64)
+    return (
+        ops.rms_norm(torch.ones(1, hidden, dtype=dtype), None, layer.input_layernorm.weight, 1e-6)
+        and ops.rotary(torch.zeros(1, width, dtype=dtype), positions, sa.rotary.cos, sa.rotary.sin, heads, sa.head_dim)
+        and ops.silu_and_mul(torch.zeros(1, 2 * inter, dtype=dtype), torch.empty(1, inter, dtype=dtype))
+    )
+
+
+class FusedDecode:
+    """Built once per model (`for_model`); `run` returns (hidden, residual) after the last
+    decoder layer, or None where this step is not one it covers."""
+
+    def __init__(self, model: LlamaModel, program: object) -> None:
+        self.layers = list(model.layers)
+        self.program = program
+        self.dtype = model.norm.weight.dtype
+
+    @staticmethod
+    def for_model(model: LlamaModel) -> FusedDecode | None:
+        if os.environ.get("ORBITAL_FUSED_DECODE", "1") == "0":
+            return None
+        ops = small_linear_ops()
+        if ops is None or not hasattr(ops, "DecodeLayers") or model.norm.weight.device.type != "cpu":
+            return None
+        norms, parts = [], []
+        for layer in model.layers:
+            attn = layer.self_attn
+            if not isinstance(attn.attn.backend, CpuPagedAttentionBackend):
+                return None
+            linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            got = [_linear_parts(m, model.norm.weight.dtype) for m in linears]
+            if any(p is None for p in got):
+                return None
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            parts += got
+        sa = model.layers[0].self_attn
+        if not _elementwise_ops_apply(ops, model):
+            return None
+        eps = {layer.input_layernorm.eps for layer in model.layers} | {
+            layer.post_attention_layernorm.eps for layer in model.layers
+        }
+        if len(eps) != 1:
+            return None
+        from engine.layers.quant.int4 import pack_layout
+
+        program = ops.DecodeLayers(
+            norms,
+            [p[0] for p in parts],
+            [p[1] for p in parts],
+            [p[2] for p in parts],
+            [p[3] for p in parts],
+            [p[4] for p in parts],
+            pack_layout()[1],
+            sa.qkv_proj.num_heads,
+            sa.qkv_proj.num_kv_heads,
+            sa.head_dim,
+            eps.pop(),
+            sa.attn.scale,
+            sa.rotary.cos,
+            sa.rotary.sin,
+        )
+        return FusedDecode(model, program)
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        meta = get_attn_metadata()
+        t = x.shape[0]
+        if (
+            meta is None
+            or not 0 < t <= SMALL_ROWS
+            or meta.prefills
+            or meta.num_decode_tokens != t
+            or x.dtype != self.dtype
+            or positions.dtype != torch.int64
+        ):
+            return None
+        caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        if any(c is None or (c.dtype != torch.int8 and c.dtype != x.dtype) for c in caches):
+            return None
+        return self.program.run(x, positions, caches, meta.decode_block_table, meta.decode_seq_lens, meta.slot_mapping)

@@ -1,0 +1,118 @@
+"""The fused decode layers (engine/model/fused_decode.py, decode_layers.cpp) against the same model
+run layer by layer (ORBITAL_FUSED_DECODE=0): tokens and logprobs must be equal, bit for bit, since
+both run the same ops on the same values. Each engine gets up to 7 requests of different lengths,
+so steps of 1-4 decode rows (fused), of more rows and with prompt chunks (layer by layer) mix.
+Where the C++ ops have no vector path the fused call is not built and the layers run; the test
+checks that instead."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.layers.packed_gemm import small_linear_ops
+from engine.layers.quant.int4 import small_linear_ops as int4_small_linear_ops
+from engine.model.fused_decode import FusedDecode
+
+PROMPTS = [
+    "The quick brown fox",
+    "Write a short story about a robot who learns to paint. " * 3,
+    "def fib(n):",
+    "List three colours:",
+    "One two three four five six seven eight nine ten " * 5,
+    "Hello",
+    "A haiku about the sea",
+]
+
+
+def _params(n: int) -> list[SamplingParams]:
+    # Different lengths (rows leave the batch one by one), greedy and seeded sampling, logprobs.
+    return [
+        SamplingParams(max_tokens=6 + 5 * i, temperature=0 if i % 2 == 0 else 0.8, seed=i, logprobs=2, ignore_eos=True)
+        for i in range(n)
+    ]
+
+
+def _fused_expected(kw: dict) -> bool:
+    """Where the few-row ops take every linear: a vector path, and for 4-bit weights the int4 op
+    (only where PyTorch packs int4 for AVX-512: engine/layers/quant/int4.py)."""
+    quantized = kw.get("quantization") is not None
+    return small_linear_ops() is not None and (not quantized or int4_small_linear_ops() is not None)
+
+
+def _generate(monkeypatch, fused: bool, prompts, **kw) -> tuple[list, int]:
+    """(per request: token ids, logprobs with their top-2), number of steps the fused call ran."""
+    monkeypatch.setenv("ORBITAL_FUSED_DECODE", "1" if fused else "0")
+    ran = []
+    real = FusedDecode.run
+
+    def counting(self, x, positions):
+        out = real(self, x, positions)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecode, "run", counting)
+    llm = LLM(num_threads=2, num_blocks=128, block_size=16, max_num_batched_tokens=64, **kw)
+    model = llm.engine.core.executor.runner.model.model
+    outs = llm.generate(prompts, _params(len(prompts)), use_tqdm=False)
+    assert (model._fused is not None) == (fused and _fused_expected(kw))  # None: every step ran the layers
+    got = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+    return got, sum(ran)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"quantization": "gguf"},  # the GGUF's Q4_1 blocks and two-nibble Q8_0 (the tied head)
+        {"quantization": "gguf", "kv_cache_dtype": "int8"},
+        {"dtype": "bfloat16"},
+        {"quantization": "int4", "dtype": "float32"},  # float32 activations rounded to bf16 for the op
+    ],
+    ids=["gguf", "gguf-int8kv", "bf16", "int4-f32"],
+)
+def test_fused_decode_is_bit_identical_to_the_layers(monkeypatch, kw):
+    want, _ = _generate(monkeypatch, False, PROMPTS, **kw)
+    got, fused_steps = _generate(monkeypatch, True, PROMPTS, **kw)
+    assert got == want
+    if _fused_expected(kw):
+        assert fused_steps > 20  # it ran (most steps of 1-4 rows)
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_fused_decode_with_qkv_bias(monkeypatch, tmp_path, smollm_tokenizer, quantization):
+    """Qwen2's QKV bias: the int4 path adds it after rounding, the float one inside the op."""
+    _save_qwen2(tmp_path, smollm_tokenizer)
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(5)]
+    kw = {"model": str(tmp_path), "dtype": "float32"} | ({"quantization": quantization} if quantization else {})
+    want, _ = _generate(monkeypatch, False, prompts, **kw)
+    got, fused_steps = _generate(monkeypatch, True, prompts, **kw)
+    assert got == want
+    if _fused_expected(kw):
+        assert fused_steps > 10
+
+
+def _save_qwen2(path, tokenizer) -> None:
+    """A random Qwen2 with head_dim 64 (the fused ops' widths; the tiny models' 16 is declined
+    by the rotary op) and biases that count."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    model.float().save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
