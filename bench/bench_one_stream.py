@@ -1,11 +1,14 @@
-"""One-stream offline decode of the embedded model with 4-bit weights (`LLM(quantization="gguf")`,
-2 threads): ms per output token with the few-row C++ int4 op (int4_linear.cpp) on and off
-(ORBITAL_INT4_SMALL_LINEAR=0: PyTorch's `_weight_int4pack_mm_for_cpu` at every row count).
+"""One-stream offline decode (`LLM.generate`, 2 threads): ms per output token with a fast path on
+and off, each measure a fresh process, rounds alternating the two settings; medians.
 
-    python -m bench.bench_int4_decode [--rounds 5] [--tokens 128]
+    python -m bench.bench_one_stream --compare fused [--model-kwargs '{"quantization": "gguf"}']
+    python -m bench.bench_one_stream --compare int4-op [--rounds 5] [--tokens 128]
 
-Each measure is a fresh process; rounds alternate the settings; medians. Decode alone: a request
-of 1 + N output tokens minus one of 1 token (the prompt's prefill), over N.
+`fused`: the decoder layers in one C++ call (engine/model/fused_decode.py) against the layers run
+as modules (ORBITAL_FUSED_DECODE=0). `int4-op`, with the layers as modules both ways: the few-row
+C++ int4 op (int4_linear.cpp) against PyTorch's `_weight_int4pack_mm_for_cpu` at every row count
+(ORBITAL_INT4_SMALL_LINEAR=0).
+Decode alone: a request of 1 + N output tokens minus one of 1 token (the prompt's prefill), over N.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import statistics
 import subprocess
 import sys
 
-SETTINGS = {"op on": {}, "op off": {"ORBITAL_INT4_SMALL_LINEAR": "0"}}
+# Two settings each (environment over the caller's); int4-op runs the layers as modules both ways.
+COMPARE = {
+    "fused": {"fused": {}, "layers": {"ORBITAL_FUSED_DECODE": "0"}},
+    "int4-op": {
+        "op on": {"ORBITAL_FUSED_DECODE": "0"},
+        "op off": {"ORBITAL_FUSED_DECODE": "0", "ORBITAL_INT4_SMALL_LINEAR": "0"},
+    },
+}
 PROMPT = "Write a short story about a robot who learns to paint. " * 4
 
 
@@ -42,6 +52,7 @@ def child(tokens: int, kw: dict) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", choices=sorted(COMPARE), default="fused")
     p.add_argument("--model-kwargs", default='{"quantization": "gguf"}', help="LLM keywords as JSON")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
@@ -50,20 +61,24 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps({"value": child(a.tokens, json.loads(a.model_kwargs))}))
         return 0
-    results: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    settings = COMPARE[a.compare]
+    ours = {k for env in settings.values() for k in env}
+    results: dict[str, list[float]] = {name: [] for name in settings}
     for r in range(a.rounds):
-        for name, env in SETTINGS.items():
-            full = {k: v for k, v in os.environ.items() if k != "ORBITAL_INT4_SMALL_LINEAR"} | env
-            cmd = [sys.executable, "-m", "bench.bench_int4_decode", "--child", "--tokens", str(a.tokens)]
+        for name, env in settings.items():
+            full = {k: v for k, v in os.environ.items() if k not in ours} | env
+            cmd = [sys.executable, "-m", "bench.bench_one_stream", "--child", "--tokens", str(a.tokens)]
             out = subprocess.run(cmd + ["--model-kwargs", a.model_kwargs], env=full, capture_output=True, text=True)
             if out.returncode:
                 raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
             v = json.loads(out.stdout.strip().splitlines()[-1])["value"]
             results[name].append(v)
             print(f"round {r} {name}: {v:.2f} ms/token", flush=True)
-    on, off = (statistics.median(results[n]) for n in SETTINGS)
+    on, off = (statistics.median(results[n]) for n in settings)
+    names = list(settings)
     print(f"\nmodel {a.model_kwargs}, one stream, 2 threads, medians of {a.rounds} rounds")
-    print(f"| op on | op off | speedup |\n|---|---|---|\n| {on:.2f} ms/token | {off:.2f} ms/token | {off / on:.2f}x |")
+    print(f"| {names[0]} | {names[1]} | speedup |\n|---|---|---|")
+    print(f"| {on:.2f} ms/token | {off:.2f} ms/token | {off / on:.2f}x |")
     return 0
 
 
