@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from engine.layers.packed_gemm import small_linear_ops
 from engine.layers.quant.int4 import small_linear_ops as int4_small_linear_ops
 from engine.model.fused_decode import FusedDecode
+from tests.engine.test_tiny_models import _save_tiny
 
 PROMPTS = [
     "The quick brown fox",
@@ -81,7 +82,8 @@ def test_fused_decode_is_bit_identical_to_the_layers(monkeypatch, kw):
 @pytest.mark.parametrize("quantization", [None, "int4"])
 def test_fused_decode_with_qkv_bias(monkeypatch, tmp_path, smollm_tokenizer, quantization):
     """Qwen2's QKV bias: the int4 path adds it after rounding, the float one inside the op."""
-    _save_qwen2(tmp_path, smollm_tokenizer)
+    # head_dim 64 (the fused ops' widths; the tiny models' 16 is declined by the rotary op)
+    _save_tiny("qwen2", tmp_path, smollm_tokenizer, random_biases=True, hidden_size=256, intermediate_size=512)
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 7 * i))} for i in range(5)]
     kw = {"model": str(tmp_path), "dtype": "float32"} | ({"quantization": quantization} if quantization else {})
     want, _ = _generate(monkeypatch, False, prompts, **kw)
@@ -89,30 +91,3 @@ def test_fused_decode_with_qkv_bias(monkeypatch, tmp_path, smollm_tokenizer, qua
     assert got == want
     if _fused_expected(kw):
         assert fused_steps > 10
-
-
-def _save_qwen2(path, tokenizer) -> None:
-    """A random Qwen2 with head_dim 64 (the fused ops' widths; the tiny models' 16 is declined
-    by the rotary op) and biases that count."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-    )
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.normal_(0.0, 0.2)
-    model.float().save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)

@@ -12,21 +12,26 @@ from tests.engine.hf_reference import hf_greedy
 PROMPTS = [[5, 17, 300, 2048, 77], [1000 + i for i in range(40)], [42] * 3, list(range(7, 7 + 90, 3))]
 
 
-def _save_tiny(kind: str, path, smollm_tokenizer):
+def _save_tiny(kind: str, path, smollm_tokenizer, random_biases: bool = False, **overrides):
+    """A random tiny checkpoint saved to `path`; `overrides` change the config (sizes),
+    `random_biases` draws the biases (transformers leaves them zero)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(
-        vocab_size=len(smollm_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.3,
-        eos_token_id=smollm_tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+    common = (
+        dict(
+            vocab_size=len(smollm_tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            initializer_range=0.3,
+            eos_token_id=smollm_tokenizer.eos_token_id,
+            tie_word_embeddings=False,
+        )
+        | overrides
     )
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=10000.0))
@@ -44,6 +49,11 @@ def _save_tiny(kind: str, path, smollm_tokenizer):
             )
         )
     model = model.float().eval()
+    if random_biases:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     smollm_tokenizer.save_pretrained(path)
     return model
