@@ -85,7 +85,18 @@ def main(argv=None) -> None:
                 lambda: [F.linear(xb[k], w) for w, (n, k) in zip(wide, shapes)], a.reps
             )
             del wide
+            if ops is not None and ops.isa() == "avx512_bf16":
+                # What int4_linear runs from WIDE_ROWS: the weight widened per call, then that GEMM.
+                r["int4 widened per call"] = median_time(
+                    lambda: [widened_linear(ops, xb[k], w) for w, (n, k) in zip(i4, shapes)], a.reps
+                )
         print(f"rows {m}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items()), flush=True)
+
+
+def widened_linear(ops, xb: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    wide = torch.empty(xb.shape[1], w.out_features, dtype=torch.bfloat16)
+    ops.int4_dequantize(w, w.scales_zeros_bf16, w.group_size, pack_layout()[1], wide)
+    return torch.mm(xb, wide)
 
 
 def f16_scales(w: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 
 PACK_ROWS = 64  # N is padded to a multiple of the CPU pack's row blocks (64, or 32: see pack_layout)
 SMALL_ROWS = 4  # rows up to which int4_small_linear runs (measured crossover, bench_quant_kernels)
+WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
 
 
 def pack_int4(
@@ -177,6 +178,22 @@ def _small_ops(enabled: bool) -> ModuleType | None:
     return ops if ops is not None and ops.isa() != "generic" else None
 
 
+def wide_gemm_ops() -> ModuleType | None:
+    """The C++ ops when prompt-sized steps widen int4 weights to bf16 for oneDNN's GEMM: where the
+    few-row op runs (so both read one layout) and the CPU multiplies bf16 natively (AVX-512 BF16;
+    elsewhere a bf16 GEMM is emulated and PyTorch's int4 kernel stays). ORBITAL_INT4_WIDE_GEMM=0
+    turns it off."""
+    return _wide_ops(os.environ.get("ORBITAL_INT4_WIDE_GEMM", "1") != "0")
+
+
+@functools.cache
+def _wide_ops(enabled: bool) -> ModuleType | None:
+    ops = small_linear_ops()
+    if not enabled or ops is None or ops.isa() != "avx512_bf16":
+        return None
+    return ops if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+
+
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype: the C++ op
     at up to SMALL_ROWS rows, else PyTorch's kernel, both with bf16 activations and PyTorch's bf16
@@ -194,6 +211,10 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         sz = weight.scales_zeros_bf16
         if not ops.int4_small_linear(xin, weight, sz, weight.group_size, pack_layout()[1], None, y):
             y = None
+    if y is None and x2.shape[0] >= WIDE_ROWS and x2.is_cpu and (ops := wide_gemm_ops()) is not None:
+        wide = torch.empty(x2.shape[1], weight.out_features, dtype=torch.bfloat16)
+        if ops.int4_dequantize(weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], wide):
+            y = torch.mm(xb, wide)
     if y is None:
         if weight.two_nibbles:
             xb = torch.cat([xb, xb], dim=-1)

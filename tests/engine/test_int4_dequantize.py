@@ -1,0 +1,112 @@
+"""The int4 weight widened to bf16 (int4_dequantize.cpp) for prompt-sized steps: bit-equal to the
+weight PyTorch's int4 kernel computes with, rounded to bf16 (its (q - 8) * scale is exact in
+float32, so one rounding is left), in both pack layouts, for a two-nibble (Q8_0) weight and for
+row counts off the pack's blocks; and int4_linear's use of it from WIDE_ROWS rows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.quant.blocks import BlockQuantized
+from engine.layers.quant.int4 import (
+    WIDE_ROWS,
+    dequantize_int4,
+    int4_linear,
+    pack_int4,
+    pack_layout,
+    quantize_int4,
+    unpack_nibbles,
+    wide_gemm_ops,
+)
+from tests.engine.test_int4_small_linear import pack_rows32, pytorch_weight
+from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture
+
+
+def widen(ops, w, block_rows=None):
+    """The op's [in_features, N] bf16 weight, or None where it declined (then it wrote nothing)."""
+    k = w.shape[1] * 2 // (2 if w.two_nibbles else 1)
+    out = torch.zeros(k, w.out_features, dtype=torch.bfloat16)
+    if ops.int4_dequantize(w, w.scales_zeros_bf16, w.group_size, block_rows or pack_layout()[1], out):
+        return out
+    assert (out == 0).all()
+    return None
+
+
+@pytest.mark.parametrize("n,k,group", [(100, 64, 32), (960, 576, 64), (130, 1536, 128), (64, 256, 32)])
+def test_widened_weight_is_the_kernels_weight_in_bf16(ops, n, k, group):
+    g = torch.Generator().manual_seed(n + k)
+    w = quantize_int4(torch.randn(n, k, generator=g), group)
+    got = widen(ops, w)
+    if got is None:
+        assert not vector(ops)
+        return
+    assert torch.equal(got, pytorch_weight(w).t().bfloat16())
+
+
+def test_two_nibble_weight_sums_its_halves_before_rounding(ops):
+    g = torch.Generator().manual_seed(7)
+    n, k = 160, 576
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    w = pack_int4(
+        *BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0").as_nibbles(split=True), 32, split=True
+    )
+    got = widen(ops, w)
+    if got is None:
+        assert not vector(ops)
+        return
+    both = pytorch_weight(w)  # [n, 2k]: the hi nibbles' values and the lo ones'
+    assert torch.equal(got, (both[:, :k] + both[:, k:]).t().bfloat16())
+    # The Q8_0 values q * d, within the kernel's bf16 scales (d is float16) and the bf16 result.
+    exact = (q.float() * d.repeat_interleave(32, dim=1)).t()
+    assert ((got.float() - exact).abs() <= 2**-7 * exact.abs() + 1e-8).all()
+
+
+def test_reads_the_32_row_layout(ops):
+    w = quantize_int4(torch.randn(96, 128), 32)
+    w32 = torch.nn.Parameter(pack_rows32(unpack_nibbles(w.data)), requires_grad=False)
+    w32.__dict__.update({a: w.__dict__[a] for a in ("scales_zeros_bf16", "group_size", "two_nibbles", "out_features")})
+    got = widen(ops, w32, block_rows=32)
+    if got is None:
+        assert not vector(ops)
+        return
+    assert torch.equal(got, pytorch_weight(w).t().bfloat16())
+
+
+def test_declines_what_it_does_not_cover(ops):
+    w = quantize_int4(torch.randn(64, 64), 32)
+    sz = w.scales_zeros_bf16
+    cases = [
+        (w, sz, 32, 48, torch.empty(64, 64, dtype=torch.bfloat16)),  # no such layout
+        (w, sz, 32, 64, torch.empty(64, 64)),  # float32 out
+        (w, sz, 32, 64, torch.empty(64, 65, dtype=torch.bfloat16)),  # more rows than packed
+        (w, sz, 32, 64, torch.empty(48, 64, dtype=torch.bfloat16)),  # inputs neither k nor 2k
+        (w, sz.float(), 32, 64, torch.empty(64, 64, dtype=torch.bfloat16)),  # not PyTorch's bf16 pairs
+        (w, sz, 64, 64, torch.empty(64, 64, dtype=torch.bfloat16)),  # scales for another group size
+    ]
+    for packed, scales, group, block, out in cases:
+        assert not ops.int4_dequantize(packed, scales, group, block, out)
+
+
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_int4_linear_widens_from_wide_rows(ops, xdt, monkeypatch):
+    """From WIDE_ROWS rows int4_linear is the bf16 GEMM of the widened weight (bit-equal), where
+    the CPU multiplies bf16 natively; below, or with ORBITAL_INT4_WIDE_GEMM=0, PyTorch's kernel."""
+    w = quantize_int4(torch.randn(200, 256), 64)
+    bias = torch.randn(200).to(xdt)
+    on = wide_gemm_ops() is not None
+    assert on == (
+        ops.isa() == "avx512_bf16" and pack_layout() == ("halves", 64) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+    for m in (WIDE_ROWS - 1, WIDE_ROWS, 300):
+        x = torch.randn(m, 256).to(xdt)
+        got = int4_linear(x, w, bias)
+        ref = F.linear(x.float(), dequantize_int4(w), bias.float())
+        torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+        wide = (x.bfloat16() @ widen(ops, w)).to(xdt) + bias if on else None
+        assert (on and m >= WIDE_ROWS) == (wide is not None and torch.equal(got, wide))
+    monkeypatch.setenv("ORBITAL_INT4_WIDE_GEMM", "0")
+    assert wide_gemm_ops() is None
+    x = torch.randn(WIDE_ROWS, 256).to(xdt)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), w, 64, w.scales_zeros_bf16)[:, :200]
+    assert torch.equal(int4_linear(x, w, bias), kernel.to(xdt) + bias)
