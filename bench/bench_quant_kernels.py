@@ -2,7 +2,7 @@
 qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights come from
 memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), PyTorch's int4
 kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4_linear.cpp, up
-to its 4 rows; bf16 activations; with PyTorch's bf16 scales as int4_linear runs it, and with the
+to its 16 rows; bf16 activations; with PyTorch's bf16 scales as int4_linear runs it, and with the
 exact ones: float16 as a GGUF's are, float32 as int4 from float weights has them), and
 dequantize + float32 GEMM. Median ms per step.
 
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
                 lambda: [int4_mm(xb[k], w, w.group_size, w.scales_zeros_bf16) for w, (n, k) in zip(i4, shapes)], a.reps
             ),
         }
-        if m <= 4:
+        if m <= 16:
             r["int4 f32 act"] = median_time(
                 lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros_bf16.float()) for w, (n, k) in zip(i4, shapes)],
                 1,

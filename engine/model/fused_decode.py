@@ -7,7 +7,8 @@ runs the very ops the layers call, in the same order on the same values, so its 
 bit-identical (tests/engine/test_fused_decode.py). It applies where every layer would take the
 C++ path anyway: CPU, tensor parallel size 1, the `cpu_paged` attention backend with a cache in
 the model's dtype or int8, the few-row linear op for every weight (float, or PyTorch's int4
-pack), and a step of at most SMALL_ROWS decode tokens and no prompt chunk. Anything else runs
+pack), and a step of decode tokens only, no more than every linear's few-row op takes (4 rows for
+float weights, packed_gemm.SMALL_ROWS; 16 for int4 ones, quant/int4.SMALL_ROWS). Anything else runs
 the layers as modules. `ORBITAL_FUSED_DECODE=0` turns it off.
 """
 
@@ -44,6 +45,13 @@ def _linear_parts(module: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
     else:
         ok = ops.small_linear(x, w, bias, y)
     return parts if ok else None
+
+
+def _few_rows(int4_scales: torch.Tensor | None) -> int:
+    """Rows up to which the module runs its few-row op: int4 weights' limit or float ones'."""
+    from engine.layers.quant import int4
+
+    return int4.SMALL_ROWS if int4_scales is not None else SMALL_ROWS
 
 
 def _linear_candidate(module: torch.nn.Module) -> tuple | None:
@@ -87,10 +95,11 @@ class FusedDecode:
     """Built once per model (`for_model`); `run` returns (hidden, residual) after the last
     decoder layer, or None where this step is not one it covers."""
 
-    def __init__(self, model: LlamaModel, program: object) -> None:
+    def __init__(self, model: LlamaModel, program: object, max_rows: int) -> None:
         self.layers = list(model.layers)
         self.program = program
         self.dtype = model.norm.weight.dtype
+        self.max_rows = max_rows  # the fewest rows any of its linears' few-row ops take
 
     @staticmethod
     def for_model(model: LlamaModel) -> FusedDecode | None:
@@ -136,14 +145,14 @@ class FusedDecode:
             sa.rotary.cos,
             sa.rotary.sin,
         )
-        return FusedDecode(model, program)
+        return FusedDecode(model, program, min(_few_rows(p[1]) for p in parts))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = get_attn_metadata()
         t = x.shape[0]
         if (
             meta is None
-            or not 0 < t <= SMALL_ROWS
+            or not 0 < t <= self.max_rows
             or meta.prefills
             or meta.num_decode_tokens != t
             or x.dtype != self.dtype

@@ -51,7 +51,7 @@ def with_f16_scales(w):
     return pack_int4(q, scale, minimum, w.group_size)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])  # 7, 16: chunks of 4 rows over each block
 @pytest.mark.parametrize(
     "n,k,group", [(100, 64, 32), (100, 64, 64), (960, 576, 32), (960, 576, 64), (100, 1536, 64), (100, 1536, 128)]
 )
@@ -73,7 +73,7 @@ def test_op_matches_dequantized_float32(ops, m, n, k, group, xdt, scales):
     assert_matches(out, x, dequantize_int4(w), bias)
 
 
-@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("m", [1, 4, 9])
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_op_two_nibbles_q8_0(ops, m, xdt):
     """A Q8_0 weight as two nibbles (K' = 2 * in_features): the op reads x twice over."""
@@ -102,7 +102,7 @@ def pytorch_weight(w):
     return ((q.view(n, k // g, g) - 8) * s[..., None] + z[..., None]).view(n, k)[: w.out_features]
 
 
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 13])
 @pytest.mark.parametrize("n,k,group", [(100, 64, 32), (960, 576, 64), (100, 1536, 128)])
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_op_with_pytorch_scales_matches_its_weight(ops, m, n, k, group, xdt):
@@ -129,7 +129,7 @@ def pack_rows32(q: torch.Tensor) -> torch.Tensor:
     return (b[:, 0] | b[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
 
 
-@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("m", [1, 3, 6])
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_op_reads_the_32_row_layout(ops, m, xdt):
     w = quantize_int4(torch.randn(96, 128), 32)
@@ -148,7 +148,7 @@ def test_op_declines_what_it_does_not_cover(ops):
     x = torch.randn(1, 64)
     sm = w.scale_min
     for xx, block, scale_min, out in [
-        (torch.randn(5, 64), 64, sm, torch.empty(5, 64)),  # more rows than the op takes
+        (torch.randn(17, 64), 64, sm, torch.empty(17, 64)),  # more rows than the op takes
         (torch.randn(1, 48), 64, sm, torch.empty(1, 64)),  # inputs match neither K' nor K' / 2
         (x, 48, sm, torch.empty(1, 64)),  # no such layout
         (x, 64, sm[:, :1], torch.empty(1, 64)),  # scales of another shape
@@ -179,3 +179,18 @@ def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
     assert int4_linear(x3, w, bias).shape == (2, 1, 100)
     monkeypatch.setenv("ORBITAL_INT4_SMALL_LINEAR", "0")
     assert small_linear_ops() is None
+
+
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt):
+    """Batching and preemption's recompute rely on it: 16 rows at once (four chunks) equal each
+    row alone, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    w = quantize_int4(torch.randn(200, 576, generator=g), 32)
+    x = torch.randn(16, 576, generator=g).to(xdt)
+    together = run_op(ops, x, w, scale_min=w.scales_zeros_bf16)
+    if together is None:
+        assert not vector(ops)
+        return
+    alone = torch.cat([run_op(ops, x[i : i + 1], w, scale_min=w.scales_zeros_bf16) for i in range(16)])
+    assert torch.equal(together, alone)

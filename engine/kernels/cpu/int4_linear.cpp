@@ -6,8 +6,10 @@
 // 121 linears: 4.7 ms, this op 3.7; bench/bench_quant_kernels.py). Each thread takes whole blocks;
 // per block, group and k, x[k] is broadcast and the decoded nibbles (16 bytes -> 32 rows as two
 // float vectors) are FMA'd into per-group accumulators, folded at the group's end as
-// acc * scale + min * sum(x over the group) (sums made once per call). Input rows share the
-// decoded nibbles. Returns false where it does not apply.
+// acc * scale + min * sum(x over the group) (sums made once per call). Up to 4 input rows share
+// the decoded nibbles; up to 16 go in chunks of 4 over each block while its bytes are in cache
+// (decode at moderate concurrency: PyTorch's kernel costs ~2 ms per row over a step's linears).
+// Returns false where it does not apply.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -21,7 +23,8 @@ namespace {
 
 using simd::F16;
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kChunk = 4;  // rows per pass over a block (their accumulators stay in registers)
 // 16-byte sub-blocks decoded per k and input rows per pass: the group accumulators
 // (2 * kSub * rows) and the decoded nibbles (2 * kSub) must stay in registers.
 constexpr int kSub = simd::kRegs >= 32 ? 2 : 1;
@@ -228,23 +231,43 @@ void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
 }
 #endif
 
+// Rows [0, M) of block blk: the bf16 dot-product path where it applies, else the float32 one.
 template <int B, int M, typename S, typename X>
-void run(const Args<S>& a, const uint16_t* xb, int64_t n, const X* bias, X* y, int64_t ys) {
+static inline void rows_of_block(const Args<S>& a, const uint16_t* xb, int64_t blk, int64_t n, const X* bias, X* y,
+                                 int64_t ys) {
+#if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
+  if constexpr (B == 64 && std::is_same_v<X, c10::BFloat16>) {
+    if (xb != nullptr) {
+      alignas(64) float racc[M * 64];
+      block_dp<M, S>(a, xb, blk, racc);
+      store_rows<B, M, X>(racc, blk, n, bias, y, ys);
+      return;
+    }
+  }
+#endif
+  block<B, M, S, X>(a, blk, n, bias, y, ys);
+}
+
+// Input rows in chunks of kChunk (the registers hold that many rows' accumulators), per block: a
+// block's bytes come from memory for the first chunk and from cache for the others. A row's
+// result does not depend on its chunk or on how many rows share the call.
+template <int B, typename S, typename X>
+void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bias, X* y, int64_t ys) {
   const int64_t blocks = (n + B - 1) / B;  // padding blocks past n are skipped
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) {
-#if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
-      if constexpr (B == 64 && std::is_same_v<X, c10::BFloat16>) {
-        if (xb != nullptr) {
-          alignas(64) float racc[M * 64];
-          block_dp<M, S>(a, xb, blk, racc);
-          store_rows<B, M, X>(racc, blk, n, bias, y, ys);
-          continue;
+    for (int64_t blk = b; blk < e; ++blk)
+      for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
+        Args<S> c = a;
+        c.xf += i0 * a.kw, c.xsum += i0 * a.groups;
+        const uint16_t* cx = xb != nullptr ? xb + i0 * a.kw : nullptr;
+        X* cy = y + i0 * ys;
+        switch (std::min<int64_t>(kChunk, m - i0)) {
+          case 1: rows_of_block<B, 1, S, X>(c, cx, blk, n, bias, cy, ys); break;
+          case 2: rows_of_block<B, 2, S, X>(c, cx, blk, n, bias, cy, ys); break;
+          case 3: rows_of_block<B, 3, S, X>(c, cx, blk, n, bias, cy, ys); break;
+          default: rows_of_block<B, 4, S, X>(c, cx, blk, n, bias, cy, ys); break;
         }
       }
-#endif
-      block<B, M, S, X>(a, blk, n, bias, y, ys);
-    }
   });
 }
 
@@ -279,19 +302,10 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   const X* bp = bias ? bias->data_ptr<X>() : nullptr;
   X* y = out.data_ptr<X>();
   const int64_t n = out.size(1), ys = out.stride(0);
-  const auto go = [&](auto bt) {
-    constexpr int B = decltype(bt)::value;
-    switch (m) {
-      case 1: run<B, 1, S, X>(a, xbp, n, bp, y, ys); break;
-      case 2: run<B, 2, S, X>(a, xbp, n, bp, y, ys); break;
-      case 3: run<B, 3, S, X>(a, xbp, n, bp, y, ys); break;
-      default: run<B, 4, S, X>(a, xbp, n, bp, y, ys); break;
-    }
-  };
   if (block_rows == 64) {
-    go(std::integral_constant<int, 64>{});
+    run<64, S, X>(a, xbp, m, n, bp, y, ys);
   } else {
-    go(std::integral_constant<int, 32>{});
+    run<32, S, X>(a, xbp, m, n, bp, y, ys);
   }
   return true;
 }

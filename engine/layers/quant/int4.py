@@ -9,9 +9,12 @@ A "two_nibbles" weight carries 8-bit values as two nibbles (Q8_0: q = 16 * hi + 
 along the input dimension, so one int4 call over [x, x] computes it exactly: the hi half has
 scale 16 * d and min -128 * d, the lo half scale d and min 0.
 
-At a few rows (decode at low concurrency) the C++ op `int4_small_linear` (kernels/cpu/
-int4_linear.cpp) runs instead, reading the same packed nibbles in place, ~1.5x faster than
-PyTorch's kernel over a decode step at one row (`python -m bench.bench_quant_kernels`). It is
+At up to 16 rows (decode at low and moderate concurrency) the C++ op `int4_small_linear`
+(kernels/cpu/int4_linear.cpp) runs instead, reading the same packed nibbles in place, 1.1-1.3x
+faster than PyTorch's kernel over a decode step's linears at 4-16 rows
+(`python -m bench.bench_quant_kernels`). From WIDE_ROWS rows (prompt chunks) the weight is widened
+to bf16 once per call (kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16)
+for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512 rows. It is
 given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
 float32: a row's result does not depend on how many rows share the call, so preemption's
 recompute and batching keep a sequence's greedy tokens (with the exact scales, float32 x, they
@@ -30,7 +33,9 @@ import torch
 from torch import nn
 
 PACK_ROWS = 64  # N is padded to a multiple of the CPU pack's row blocks (64, or 32: see pack_layout)
-SMALL_ROWS = 4  # rows up to which int4_small_linear runs (measured crossover, bench_quant_kernels)
+SMALL_ROWS = (
+    16  # rows up to which int4_small_linear runs (its limit; 1.1-1.3x PyTorch's kernel at 8-16, bench_quant_kernels)
+)
 WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
 
 
