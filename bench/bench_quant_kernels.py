@@ -52,11 +52,12 @@ def main(argv=None) -> None:
                 lambda: [int4_mm(xb[k], w, w.group_size, w.scales_zeros_bf16) for w, (n, k) in zip(i4, shapes)], a.reps
             ),
         }
-        if m <= 16:
+        if m <= 4:
             r["int4 f32 act"] = median_time(
                 lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros_bf16.float()) for w, (n, k) in zip(i4, shapes)],
                 1,
             )
+        if m <= 16:
             outs = [torch.empty(m, n, dtype=torch.bfloat16) for n, k in shapes]
             block = pack_layout()[1]
             columns = {  # the op's scales: PyTorch's bf16 pairs (what int4_linear passes), exact ones
