@@ -14,7 +14,7 @@ At up to 16 rows (decode at low and moderate concurrency) the C++ op `int4_small
 faster than PyTorch's kernel over a decode step's linears at 4-16 rows
 (`python -m bench.bench_quant_kernels`). From WIDE_ROWS rows (prompt chunks) the weight is widened
 to bf16 once per call (kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16)
-for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512 rows. It is
+for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512 rows. The few-row op is
 given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
 float32: a row's result does not depend on how many rows share the call, so preemption's
 recompute and batching keep a sequence's greedy tokens (with the exact scales, float32 x, they
@@ -33,9 +33,7 @@ import torch
 from torch import nn
 
 PACK_ROWS = 64  # N is padded to a multiple of the CPU pack's row blocks (64, or 32: see pack_layout)
-SMALL_ROWS = (
-    16  # rows up to which int4_small_linear runs (its limit; 1.1-1.3x PyTorch's kernel at 8-16, bench_quant_kernels)
-)
+SMALL_ROWS = 16  # rows up to which int4_small_linear runs (its limit; 1.1-1.3x PyTorch's kernel at 8-16)
 WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
 
 
@@ -201,7 +199,8 @@ def _wide_ops(enabled: bool) -> ModuleType | None:
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype: the C++ op
-    at up to SMALL_ROWS rows, else PyTorch's kernel, both with bf16 activations and PyTorch's bf16
+    at up to SMALL_ROWS rows, the widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's
+    kernel, all with bf16 activations and PyTorch's bf16
     scales and zeros. The kernel runs with bfloat16 activations at every row count: with float32
     ones it takes a ~30x slower path at one row; with bf16, on a 3072x576 weight, it is 1.3 ms at
     64 rows (float32 GEMM 1.8, dequantize + float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
