@@ -306,10 +306,13 @@ def serve_forever(a: argparse.Namespace) -> int:
             flush=True,
         )
         stop = {"now": False}
-        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+        # SIGINT is handled explicitly too: a parent that ignores it (nohup, some supervisors,
+        # a test runner) passes SIG_IGN on, and Python then never raises KeyboardInterrupt.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.update(now=True))
         while not stop["now"]:
             time.sleep(0.5)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C during start-up, before the handlers are in place
         pass
     finally:
         print("shutting down...", flush=True)
