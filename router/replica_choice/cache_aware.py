@@ -1,7 +1,9 @@
 """Cache-aware ranking: the replica that holds the longest cached prefix of the prompt, among the
 replicas whose load is within `slack` of the least loaded one (a per-candidate guard: a hot
 prefix spreads once its replica runs ahead, and a cache miss never goes to an overloaded
-replica). Ties go to the less loaded replica.
+replica). Ties go to the less loaded replica, then to the one holding fewer blocks: a prompt that
+hits nowhere lands where the most cache is free, so new prefixes spread over the replicas (as
+SGLang's router sends misses to its smallest tree) instead of piling up by chance.
 
 Bound: a request never goes to a replica loaded more than `slack` above the least loaded one,
 so under a storm of one prefix the loads (in-flight requests, as `least_loaded.replica_load`
@@ -19,13 +21,21 @@ DEFAULT_SLACK = 4.0
 
 
 def rank(
-    candidates: Sequence[R], load: Callable[[R], float], cached: Callable[[R], int], slack: float = DEFAULT_SLACK
+    candidates: Sequence[R],
+    load: Callable[[R], float],
+    cached: Callable[[R], int],
+    slack: float = DEFAULT_SLACK,
+    held: Callable[[R], int] = lambda r: 0,
 ) -> tuple[list[R], dict[R, int]]:
-    """Candidates best first, and the cached blocks seen for each."""
+    """Candidates best first, and the cached blocks seen for each. `held`: all blocks a replica
+    holds or is about to (the tie-break after load)."""
     loads = {r: load(r) for r in candidates}
     hits = {r: cached(r) for r in candidates}
+    sizes = {r: held(r) for r in candidates}
     floor = min(loads.values())
     tie = {r: random.random() for r in candidates}
-    best = max((r for r in candidates if loads[r] <= floor + slack), key=lambda r: (hits[r], -loads[r], tie[r]))
-    rest = sorted((r for r in candidates if r is not best), key=lambda r: (loads[r], tie[r]))
+    best = max(
+        (r for r in candidates if loads[r] <= floor + slack), key=lambda r: (hits[r], -loads[r], -sizes[r], tie[r])
+    )
+    rest = sorted((r for r in candidates if r is not best), key=lambda r: (loads[r], sizes[r], tie[r]))
     return [best, *rest], hits

@@ -118,6 +118,13 @@ class KVIndex:
                 best = max(best, n)
         return best
 
+    def held_blocks(self, replica: str) -> int:
+        """Blocks the replica holds plus those its routed, not yet seen requests will store."""
+        with self._lock:
+            rb = self.replicas.get(replica)
+            held = len(rb.hashes) if rb is not None else 0
+            return held + sum(len(h) for rep, h in self.pending.values() if rep == replica)
+
     def add_pending(self, request_id: str, replica: str, hashes: Sequence[int]) -> None:
         if hashes:
             with self._lock:

@@ -164,6 +164,9 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
             rid = r.replica_id.unique_id
             return max(index.cached_blocks(rid, hashes), index.pending_blocks(rid, hashes)) if hashes else 0
 
-        ranked, found = cache_aware.rank(candidates, self.load, cached, self.slack)
+        def held(r: RunningReplica) -> int:
+            return index.held_blocks(r.replica_id.unique_id)
+
+        ranked, found = cache_aware.rank(candidates, self.load, cached, self.slack, held)
         predicted = {r.replica_id.unique_id: n * self.block_size for r, n in found.items()}
         return ranked, hashes, predicted

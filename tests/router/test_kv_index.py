@@ -3,7 +3,7 @@ the cache-aware ranking's load guard."""
 
 import random
 
-from engine.core.kv_events import BlocksRemoved, BlocksStored, KVEventBatch, KVEventLog
+from engine.core.kv_events import BlocksRemoved, BlocksStored, KVEventBatch, KVEventLog, KVSnapshot
 from router.replica_choice.cache_aware import rank
 from router.replica_choice.kv_index import MAX_EARLY, KVIndex
 
@@ -91,3 +91,27 @@ def test_rank_prefers_cached_within_the_guard_and_ties_to_the_less_loaded():
     assert order[0] == "c"  # a is past the guard
     order, _ = rank(list(loads), loads.get, lambda r: 0, slack=4)
     assert order[0] == "b"
+
+
+def test_a_miss_goes_where_the_fewest_blocks_are_held():
+    """Equal hits and loads: the replica holding fewer blocks wins, so sequential new prefixes
+    spread over every replica instead of landing by chance (ties are random otherwise)."""
+    loads = {"a": 0.0, "b": 0.0, "c": 0.0}
+    held = {"a": 0, "b": 0, "c": 0}
+    for _ in range(3):
+        order, _ = rank(list(loads), loads.get, lambda r: 0, 4.0, held.get)
+        held[order[0]] += 12  # the new prefix's blocks are stored there
+    assert held == {"a": 12, "b": 12, "c": 12}
+    order, _ = rank(list(loads), loads.get, {"a": 0, "b": 3, "c": 0}.get, 4.0, {"a": 0, "b": 90, "c": 5}.get)
+    assert order == ["b", "a", "c"]  # a hit still beats free space; the rest by load, then held
+
+
+def test_held_blocks_count_the_index_and_pending_requests():
+    ix = KVIndex()
+    ix.reset("r", KVSnapshot(epoch="e", seq=1, hashes=frozenset({1, 2, 3})))
+    assert ix.held_blocks("r") == 3 and ix.held_blocks("s") == 0
+    ix.add_pending("q", "r", [7, 8])
+    ix.add_pending("q2", "s", [9])
+    assert ix.held_blocks("r") == 5 and ix.held_blocks("s") == 1
+    ix.end_pending("q")
+    assert ix.held_blocks("r") == 3
