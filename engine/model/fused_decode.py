@@ -8,7 +8,7 @@ bit-identical (tests/engine/test_fused_decode.py). It applies where every layer 
 C++ path anyway: CPU, tensor parallel size 1, the `cpu_paged` attention backend with a cache in
 the model's dtype or int8, the few-row linear op for every weight (float, or PyTorch's int4
 pack), and a step of decode tokens only, no more than every linear's few-row op takes (4 rows for
-float weights, packed_gemm.SMALL_ROWS; 16 for int4 ones, quant/int4.SMALL_ROWS). Anything else runs
+float weights, packed_gemm.SMALL_ROWS; 63 or 16 for int4 ones, quant/int4.small_rows()). Anything else runs
 the layers as modules. `ORBITAL_FUSED_DECODE=0` turns it off.
 """
 
@@ -51,7 +51,7 @@ def _few_rows(int4_scales: torch.Tensor | None) -> int:
     """Rows up to which the module runs its few-row op: int4 weights' limit or float ones'."""
     from engine.layers.quant import int4
 
-    return int4.SMALL_ROWS if int4_scales is not None else SMALL_ROWS
+    return int4.small_rows() if int4_scales is not None else SMALL_ROWS
 
 
 def _linear_candidate(module: torch.nn.Module) -> tuple | None:

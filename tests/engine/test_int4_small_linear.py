@@ -10,17 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.layers.quant import QuantSpec
+from engine.layers.quant.apply import quantize_head
 from engine.layers.quant.blocks import BlockQuantized
 from engine.layers.quant.int4 import (
     SMALL_ROWS,
+    WIDE_ROWS,
     dequantize_int4,
     int4_linear,
+    int4_logits,
     pack_int4,
     pack_layout,
     quantize_int4,
     small_linear_ops,
+    small_rows,
     unpack_nibbles,
+    wide_gemm_ops,
 )
+from engine.layers.quant.int8 import quantize_int8
 from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture
 
 
@@ -51,7 +58,7 @@ def with_f16_scales(w):
     return pack_int4(q, scale, minimum, w.group_size)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])  # 7, 16: chunks of 4 rows over each block
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16, 41, 64])  # 7 on: chunks of 4 rows over each block
 @pytest.mark.parametrize(
     "n,k,group", [(100, 64, 32), (100, 64, 64), (960, 576, 32), (960, 576, 64), (100, 1536, 64), (100, 1536, 128)]
 )
@@ -148,7 +155,7 @@ def test_op_declines_what_it_does_not_cover(ops):
     x = torch.randn(1, 64)
     sm = w.scale_min
     for xx, block, scale_min, out in [
-        (torch.randn(17, 64), 64, sm, torch.empty(17, 64)),  # more rows than the op takes
+        (torch.randn(65, 64), 64, sm, torch.empty(65, 64)),  # more rows than the op takes
         (torch.randn(1, 48), 64, sm, torch.empty(1, 64)),  # inputs match neither K' nor K' / 2
         (x, 48, sm, torch.empty(1, 64)),  # no such layout
         (x, 64, sm[:, :1], torch.empty(1, 64)),  # scales of another shape
@@ -167,12 +174,14 @@ def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
     bias = torch.randn(100).to(xdt)
     on = small_linear_ops() is not None
     assert on == (vector(ops) and pack_layout() == ("halves", 64))  # off where PyTorch runs its AVX2 kernel
-    for m in (1, SMALL_ROWS, SMALL_ROWS + 1, 40):
+    limit = small_rows()
+    assert limit == (WIDE_ROWS - 1 if wide_gemm_ops() is not None else SMALL_ROWS)
+    for m in (1, limit, limit + 1, 40):
         x = torch.randn(m, 128).to(xdt)
         got = int4_linear(x, w, bias)
         ref = F.linear(x.float(), dequantize_int4(w), bias.float())
         torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
-        if on and m <= SMALL_ROWS:  # bit-equal to the op: it ran, not PyTorch's kernel
+        if on and m <= limit:  # bit-equal to the op: it ran, not PyTorch's kernel
             direct = run_op(ops, x.bfloat16().to(xdt), w, scale_min=w.scales_zeros_bf16) + bias
             assert torch.equal(got, direct)
     x3 = torch.randn(2, 1, 128).to(xdt)  # leading dims are kept
@@ -183,14 +192,40 @@ def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
 
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt):
-    """Batching and preemption's recompute rely on it: 16 rows at once (four chunks) equal each
+    """Batching and preemption's recompute rely on it: 50 rows at once (13 chunks) equal each
     row alone, bit for bit."""
     g = torch.Generator().manual_seed(5)
     w = quantize_int4(torch.randn(200, 576, generator=g), 32)
-    x = torch.randn(16, 576, generator=g).to(xdt)
+    x = torch.randn(50, 576, generator=g).to(xdt)
     together = run_op(ops, x, w, scale_min=w.scales_zeros_bf16)
     if together is None:
         assert not vector(ops)
         return
-    alone = torch.cat([run_op(ops, x[i : i + 1], w, scale_min=w.scales_zeros_bf16) for i in range(16)])
+    alone = torch.cat([run_op(ops, x[i : i + 1], w, scale_min=w.scales_zeros_bf16) for i in range(50)])
     assert torch.equal(together, alone)
+
+
+def test_an_8bit_head_keeps_float32_logits_where_the_op_runs(ops):
+    """An int8 LM head goes into the two-nibble pack (its int8 values exactly) where the op
+    runs; its logits are then float32 sums at every row count, chunked through the op, equal
+    row by row to the op alone (PyTorch's int8 kernel rounds them to bf16). Elsewhere the head
+    stays int8."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(320, 576, generator=g) * 0.05
+    head = quantize_head(w, QuantSpec("int8"))
+    q8 = quantize_int8(w)
+    if small_linear_ops() is None:
+        assert head.dtype == torch.int8
+        return
+    assert head.dtype == torch.uint8 and head.two_nibbles
+    exact = q8.data.float() * q8.scale[:, None]
+    torch.testing.assert_close(dequantize_int4(head), exact, rtol=0, atol=1e-7)
+    wb = q8.data.float() * q8.scale_bf16.float()[:, None]  # what both kernels compute with
+    for m in (1, 7, small_rows(), small_rows() + 1, 150):
+        x = torch.randn(m, 576, generator=g)
+        y = int4_logits(x, head)
+        ref = (x.bfloat16().double() @ wb.double().t()).float()
+        assert y.dtype == torch.float32 and y.shape == (m, 320)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(y, y.bfloat16().float())  # not rounded to bf16
+        assert torch.equal(y[-1:], int4_logits(x[-1:], head))  # a row's logits alone

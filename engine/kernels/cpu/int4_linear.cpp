@@ -7,8 +7,9 @@
 // per block, group and k, x[k] is broadcast and the decoded nibbles (16 bytes -> 32 rows as two
 // float vectors) are FMA'd into per-group accumulators, folded at the group's end as
 // acc * scale + min * sum(x over the group) (sums made once per call). Up to 4 input rows share
-// the decoded nibbles; up to 16 go in chunks of 4 over each block while its bytes are in cache
-// (decode at moderate concurrency: PyTorch's kernel costs ~2 ms per row over a step's linears).
+// the decoded nibbles; up to 64 go in chunks of 4 over each block while its bytes are in cache
+// (decode at moderate and high concurrency: on AVX-512 BF16 a 32-row SmolLM2 step takes 63 ms
+// with this op against 90 with PyTorch's kernel).
 // Returns false where it does not apply.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,7 +24,7 @@ namespace {
 
 using simd::F16;
 
-constexpr int64_t kMaxRows = 16;
+constexpr int64_t kMaxRows = 64;
 constexpr int64_t kChunk = 4;  // rows per pass over a block (their accumulators stay in registers)
 // 16-byte sub-blocks decoded per k and input rows per pass: the group accumulators
 // (2 * kSub * rows) and the decoded nibbles (2 * kSub) must stay in registers.

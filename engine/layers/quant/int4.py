@@ -9,10 +9,11 @@ A "two_nibbles" weight carries 8-bit values as two nibbles (Q8_0: q = 16 * hi + 
 along the input dimension, so one int4 call over [x, x] computes it exactly: the hi half has
 scale 16 * d and min -128 * d, the lo half scale d and min 0.
 
-At up to 16 rows (decode at low and moderate concurrency) the C++ op `int4_small_linear`
-(kernels/cpu/int4_linear.cpp) runs instead, reading the same packed nibbles in place, 1.1-1.3x
-faster than PyTorch's kernel over a decode step's linears at 4-16 rows
-(`python -m bench.bench_quant_kernels`). From WIDE_ROWS rows (prompt chunks) the weight is widened
+Below WIDE_ROWS rows (decode steps, short prompt chunks; 16 where the CPU lacks AVX-512 BF16:
+small_rows) the C++ op `int4_small_linear` (kernels/cpu/int4_linear.cpp) runs instead, reading
+the same packed nibbles in place, 1.1-1.3x faster than PyTorch's kernel over a decode step's
+linears at 4-16 rows (`python -m bench.bench_quant_kernels`), 1.4x over a whole 32-row step.
+An LM head's logits go through it at every row count (int4_logits): it keeps float32 sums. From WIDE_ROWS rows (prompt chunks) the weight is widened
 to bf16 once per call (kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16)
 for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512 rows. The few-row op is
 given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 PACK_ROWS = 64  # N is padded to a multiple of the CPU pack's row blocks (64, or 32: see pack_layout)
-SMALL_ROWS = 16  # rows up to which int4_small_linear runs (its limit; 1.1-1.3x PyTorch's kernel at 8-16)
+SMALL_ROWS = 16  # rows up to which int4_small_linear runs where the CPU has no bf16 dot products
 WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
 
 
@@ -197,24 +198,51 @@ def _wide_ops(enabled: bool) -> ModuleType | None:
     return ops if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
 
 
+def small_rows() -> int:
+    """Rows up to which int4_small_linear runs: below WIDE_ROWS where its bf16 dot-product path
+    and the widened GEMM run (AVX-512 BF16: a 32-row decode step of SmolLM2 in 63 ms against 90
+    through PyTorch's kernel from 17 rows, 48 rows in 98 against 132), else SMALL_ROWS."""
+    return WIDE_ROWS - 1 if wide_gemm_ops() is not None else SMALL_ROWS
+
+
+def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """int4_small_linear on rows x2 (xb: them in bf16), or None where it does not run."""
+    ops = small_linear_ops() if x2.is_cpu else None
+    if ops is None:
+        return None
+    # float32 x: the kernel's bf16 values, result kept float32 (rounding it to bf16 as the
+    # kernel does flips some outputs by a bf16 step where the two sums differ in float32).
+    xin = xb if x2.dtype == torch.bfloat16 else xb.to(x2.dtype)
+    y = x2.new_empty(x2.shape[0], weight.out_features)
+    ok = ops.int4_small_linear(xin, weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], None, y)
+    return y if ok else None
+
+
+def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """An LM head's logits: through the few-row op in chunks of small_rows() rows where it runs,
+    because it keeps its float32 sums, and the other paths round logits to bf16 (ties between
+    top tokens, coarse prompt logprobs). Elsewhere int4_linear."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.dtype != torch.float32 or small_linear_ops() is None or x2.shape[0] == 0:
+        return int4_linear(x, weight)
+    step = small_rows()
+    parts = [_few_rows_op(c, c.to(torch.bfloat16), weight) for c in x2.split(step)]
+    if any(p is None for p in parts):
+        return int4_linear(x, weight)
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype: the C++ op
-    at up to SMALL_ROWS rows, the widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's
+    at up to small_rows() rows, the widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's
     kernel, all with bf16 activations and PyTorch's bf16
     scales and zeros. The kernel runs with bfloat16 activations at every row count: with float32
     ones it takes a ~30x slower path at one row; with bf16, on a 3072x576 weight, it is 1.3 ms at
     64 rows (float32 GEMM 1.8, dequantize + float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xb = x2.to(torch.bfloat16)
-    y = None
-    if 0 < x2.shape[0] <= SMALL_ROWS and x2.is_cpu and (ops := small_linear_ops()) is not None:
-        # float32 x: the kernel's bf16 values, result kept float32 (rounding it to bf16 as the
-        # kernel does flips some outputs by a bf16 step where the two sums differ in float32).
-        xin = xb if x2.dtype == torch.bfloat16 else xb.to(x2.dtype)
-        y = x2.new_empty(x2.shape[0], weight.out_features)
-        sz = weight.scales_zeros_bf16
-        if not ops.int4_small_linear(xin, weight, sz, weight.group_size, pack_layout()[1], None, y):
-            y = None
+    y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= small_rows() else None
     if y is None and x2.shape[0] >= WIDE_ROWS and x2.is_cpu and (ops := wide_gemm_ops()) is not None:
         wide = torch.empty(x2.shape[1], weight.out_features, dtype=torch.bfloat16)
         if ops.int4_dequantize(weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], wide):
