@@ -12,6 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.layers.packed_gemm import small_linear_ops
 from engine.layers.quant.int4 import small_linear_ops as int4_small_linear_ops
+from engine.layers.quant.int4 import small_rows
 from engine.model.fused_decode import FusedDecode
 from tests.engine.test_tiny_models import _save_tiny
 
@@ -41,24 +42,26 @@ def _fused_expected(kw: dict) -> bool:
     return small_linear_ops() is not None and (not quantized or int4_small_linear_ops() is not None)
 
 
-def _generate(monkeypatch, fused: bool, prompts, **kw) -> tuple[list, int]:
-    """(per request: token ids, logprobs with their top-2), number of steps the fused call ran."""
+def _generate(monkeypatch, fused: bool, prompts, params=None, **kw) -> tuple[list, list[int]]:
+    """(per request: token ids, logprobs with their top-2), the rows of each step the fused call
+    ran."""
     monkeypatch.setenv("ORBITAL_FUSED_DECODE", "1" if fused else "0")
     ran = []
     real = FusedDecode.run
 
     def counting(self, x, positions):
         out = real(self, x, positions)
-        ran.append(out is not None)
+        if out is not None:
+            ran.append(x.shape[0])
         return out
 
     monkeypatch.setattr(FusedDecode, "run", counting)
     llm = LLM(num_threads=2, num_blocks=128, block_size=16, max_num_batched_tokens=64, **kw)
     model = llm.engine.core.executor.runner.model.model
-    outs = llm.generate(prompts, _params(len(prompts)), use_tqdm=False)
+    outs = llm.generate(prompts, params or _params(len(prompts)), use_tqdm=False)
     assert (model._fused is not None) == (fused and _fused_expected(kw))  # None: every step ran the layers
     got = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
-    return got, sum(ran)
+    return got, ran
 
 
 @pytest.mark.parametrize(
@@ -76,7 +79,22 @@ def test_fused_decode_is_bit_identical_to_the_layers(monkeypatch, kw):
     got, fused_steps = _generate(monkeypatch, True, PROMPTS, **kw)
     assert got == want
     if _fused_expected(kw):
-        assert fused_steps > 20  # it ran (most steps of 1-4 rows)
+        assert len(fused_steps) > 20  # it ran (most steps of 1-4 rows)
+
+
+def test_fused_decode_of_up_to_24_int4_rows(monkeypatch):
+    """24 streams of a 4-bit model: steps of up to 24 decode rows, fused where the int4 op takes
+    them (AVX-512 BF16: up to 63 rows), bit-identical to the layers."""
+    prompts = [f"{p} ({i})" for i in range(6) for p in PROMPTS][:24]
+    params = [SamplingParams(max_tokens=10 + i % 5, temperature=0, logprobs=2, ignore_eos=True) for i in range(24)]
+    kw = {"quantization": "gguf"}
+    want, _ = _generate(monkeypatch, False, prompts, params, **kw)
+    got, fused_steps = _generate(monkeypatch, True, prompts, params, **kw)
+    assert got == want
+    if _fused_expected(kw) and small_rows() >= 24:
+        assert max(fused_steps) == 24, fused_steps
+    elif _fused_expected(kw):
+        assert fused_steps and max(fused_steps) <= small_rows()
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
@@ -90,4 +108,4 @@ def test_fused_decode_with_qkv_bias(monkeypatch, tmp_path, smollm_tokenizer, qua
     got, fused_steps = _generate(monkeypatch, True, prompts, **kw)
     assert got == want
     if _fused_expected(kw):
-        assert fused_steps > 10
+        assert len(fused_steps) > 10
