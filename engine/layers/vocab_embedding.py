@@ -16,7 +16,7 @@ from torch import nn
 from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
 from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.quant import QuantSpec, is_quantized, quantize_param
-from engine.layers.quant.apply import has_blocks, quantize_head
+from engine.layers.quant.apply import has_blocks
 from engine.layers.weight_utils import copy_rows_into, narrow, shape_of
 
 if TYPE_CHECKING:
@@ -95,17 +95,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         copy; a tied GGUF-quantized embedding is the head as it is. With int4 the head is int8:
         as llama.cpp's 4-bit files keep it at 8 bits (SmolLM2, int4:g32: perplexity +5.3% with
         an int4 head). An 8-bit head is stored as two nibbles where the int4 op runs, for float32
-        logits (quant/apply.quantize_head)."""
+        logits (quant/apply.int8_as_nibbles)."""
         if spec.method == "int4":
             spec = QuantSpec("int8")
         if self.tied:
             if is_quantized(self.tied_embedding.weight):
                 self.weight = self.tied_embedding.weight
             elif not has_blocks(self.weight):
-                q = quantize_head(self.weight, spec)
+                q = quantize_param(self.weight, spec)
                 self.packed_weight = q if q is not self.weight else None
         else:
-            self.weight = quantize_head(self.weight, spec)
+            self.weight = quantize_param(self.weight, spec)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""

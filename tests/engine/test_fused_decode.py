@@ -71,8 +71,9 @@ def _generate(monkeypatch, fused: bool, prompts, params=None, **kw) -> tuple[lis
         {"quantization": "gguf", "kv_cache_dtype": "int8"},
         {"dtype": "bfloat16"},
         {"quantization": "int4", "dtype": "float32"},  # float32 activations rounded to bf16 for the op
+        {"quantization": "int8", "dtype": "float32"},  # int8 as two nibbles where the int4 op runs
     ],
-    ids=["gguf", "gguf-int8kv", "bf16", "int4-f32"],
+    ids=["gguf", "gguf-int8kv", "bf16", "int4-f32", "int8-f32"],
 )
 def test_fused_decode_is_bit_identical_to_the_layers(monkeypatch, kw):
     want, _ = _generate(monkeypatch, False, PROMPTS, **kw)

@@ -78,7 +78,7 @@ def test_declines_what_it_does_not_cover(ops):
     sz = w.scales_zeros_bf16
     cases = [
         (w, sz, 32, 48, torch.empty(64, 64, dtype=torch.bfloat16)),  # no such layout
-        (w, sz, 32, 64, torch.empty(64, 64)),  # float32 out
+        (w, sz, 32, 64, torch.empty(64, 64, dtype=torch.float16)),  # neither bf16 nor float32 out
         (w, sz, 32, 64, torch.empty(64, 65, dtype=torch.bfloat16)),  # more rows than packed
         (w, sz, 32, 64, torch.empty(48, 64, dtype=torch.bfloat16)),  # inputs neither k nor 2k
         (w, sz.float(), 32, 64, torch.empty(64, 64, dtype=torch.bfloat16)),  # not PyTorch's bf16 pairs
@@ -110,3 +110,27 @@ def test_int4_linear_widens_from_wide_rows(ops, xdt, monkeypatch):
     x = torch.randn(WIDE_ROWS, 256).to(xdt)
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), w, 64, w.scales_zeros_bf16)[:, :200]
     assert torch.equal(int4_linear(x, w, bias), kernel.to(xdt) + bias)
+
+
+def test_an_int8_weight_with_float32_activations_stays_a_float32_gemm(ops):
+    """An int8 weight in the two-nibble pack (apply.int8_as_nibbles): widened to float32 it is
+    exactly q * its bf16 scale, and prompt-sized float32 rows multiply it in float32 (the int8
+    path's precision), not through the bf16 GEMM."""
+    from engine.layers.quant import QuantSpec
+    from engine.layers.quant.apply import quantize_param
+    from engine.layers.quant.int8 import quantize_int8
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(200, 576, generator=g) * 0.05
+    q8 = quantize_int8(w)
+    packed = quantize_param(w, QuantSpec("int8"))
+    if packed.dtype == torch.int8:  # no int4 op here: int8.py's kernels run it
+        assert not vector(ops) or pack_layout() != ("halves", 64)
+        return
+    exact = q8.data.float() * q8.scale_bf16.float()[:, None]
+    wide = torch.empty(576, 200)
+    assert ops.int4_dequantize(packed, packed.scales_zeros_bf16, packed.group_size, pack_layout()[1], wide)
+    assert torch.equal(wide, exact.t())
+    bias = torch.randn(200, generator=g)
+    x = torch.randn(WIDE_ROWS + 9, 576, generator=g)
+    assert torch.equal(int4_linear(x, packed, bias), torch.mm(x, exact.t()) + bias)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.quant import QuantSpec
-from engine.layers.quant.apply import quantize_head
+from engine.layers.quant.apply import quantize_param
 from engine.layers.quant.blocks import BlockQuantized
 from engine.layers.quant.int4 import (
     SMALL_ROWS,
@@ -206,13 +206,13 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt):
 
 
 def test_an_8bit_head_keeps_float32_logits_where_the_op_runs(ops):
-    """An int8 LM head goes into the two-nibble pack (its int8 values exactly) where the op
-    runs; its logits are then float32 sums at every row count, chunked through the op, equal
+    """An int8 weight (an LM head here) goes into the two-nibble pack (its int8 values exactly)
+    where the op runs; its logits are then float32 sums at every row count, chunked through the op, equal
     row by row to the op alone (PyTorch's int8 kernel rounds them to bf16). Elsewhere the head
     stays int8."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(320, 576, generator=g) * 0.05
-    head = quantize_head(w, QuantSpec("int8"))
+    head = quantize_param(w, QuantSpec("int8"))
     q8 = quantize_int8(w)
     if small_linear_ops() is None:
         assert head.dtype == torch.int8

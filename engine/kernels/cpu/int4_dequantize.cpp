@@ -5,7 +5,9 @@
 // and per input k, B / 2 bytes; byte j holds row j low, row j + B / 2 high) and its bf16 (scale,
 // zero) pairs, w = (q - 8) * scale + zero in float32 (as that kernel forms it), rounded to bf16; writes w transposed,
 // out[k, n] ([in_features, N]): a block's rows at one k are contiguous there. A two-nibble weight
-// (8-bit values as two nibbles, kw = 2 * in_features) sums its halves before rounding.
+// (8-bit values as two nibbles, kw = 2 * in_features) sums its halves before rounding. A float32
+// `out` keeps the sums unrounded (8-bit weights with float32 activations: their prompt chunks stay
+// a float32 GEMM, as int8.py's were).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "simd16.h"
@@ -35,13 +37,14 @@ static inline void add_input(const uint8_t* p, const F16* sc, const F16* z, F16*
   }
 }
 
-template <int B>
+// O: uint16_t (bf16 bits) or float.
+template <int B, typename O>
 void widen(const uint8_t* w, const c10::BFloat16* sz, int64_t kw, int64_t k, int64_t gs, int64_t np,
-           int64_t n, uint16_t* out) {
+           int64_t n, O* out) {
   const int64_t blocks = (n + B - 1) / B;  // padding rows past n are never written
   const bool two = kw != k;
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    alignas(64) uint16_t tail[B];
+    alignas(64) O tail[B];
     for (int64_t blk = b; blk < e; ++blk) {
       const int64_t n0 = blk * B, rows = std::min<int64_t>(B, n - n0);
       const uint8_t* wb = w + blk * kw * (B / 2);
@@ -55,10 +58,16 @@ void widen(const uint8_t* w, const c10::BFloat16* sz, int64_t kw, int64_t k, int
           for (int v = 0; v < B / 16; ++v) row[v] = simd::zero();
           add_input<B>(wb + kk * (B / 2), sc[0], z[0], row);
           if (two) add_input<B>(wb + (kk + k) * (B / 2), sc[1], z[1], row);
-          uint16_t* o = out + kk * n + n0;
-          uint16_t* dst = rows == B ? o : tail;
-          for (int v = 0; v < B / 16; ++v) simd::to_bf16(dst + 16 * v, row[v]);
-          if (rows != B) std::memcpy(o, tail, rows * 2);
+          O* o = out + kk * n + n0;
+          O* dst = rows == B ? o : tail;
+          for (int v = 0; v < B / 16; ++v) {
+            if constexpr (std::is_same_v<O, float>) {
+              simd::storeu(dst + 16 * v, row[v]);
+            } else {
+              simd::to_bf16(dst + 16 * v, row[v]);
+            }
+          }
+          if (rows != B) std::memcpy(o, tail, rows * sizeof(O));
         }
       }
     }
@@ -69,8 +78,8 @@ void widen(const uint8_t* w, const c10::BFloat16* sz, int64_t kw, int64_t k, int
 #endif
 
 // packed uint8 [np, kw / 2] in the int4pack layout with `block_rows` (64 or 32) rows per block;
-// scales_zeros bf16 [kw / group_size, np, 2]; out bf16 [k, n] (n <= np; kw = k, or 2k for a
-// two-nibble weight). False (nothing written) where it does not apply.
+// scales_zeros bf16 [kw / group_size, np, 2]; out bf16 or float32 [k, n] (n <= np; kw = k, or 2k
+// for a two-nibble weight). False (nothing written) where it does not apply.
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size, int64_t block_rows,
                      torch::Tensor out) {
 #if defined(ORBITAL_SIMD16)
@@ -82,14 +91,21 @@ bool int4_dequantize(torch::Tensor packed, torch::Tensor scales_zeros, int64_t g
   if (scales_zeros.scalar_type() != at::kBFloat16 || !scales_zeros.is_contiguous() ||
       scales_zeros.sizes() != at::IntArrayRef({kw / group_size, np, 2}))
     return false;
-  if (out.scalar_type() != at::kBFloat16 || !out.is_contiguous()) return false;
+  if ((out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) || !out.is_contiguous()) return false;
   const auto* w = packed.data_ptr<uint8_t>();
   const auto* sz = scales_zeros.data_ptr<c10::BFloat16>();
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  if (block_rows == 64) {
-    widen<64>(w, sz, kw, k, group_size, np, n, o);
+  const auto run = [&](auto* o) {
+    using O = std::remove_pointer_t<decltype(o)>;
+    if (block_rows == 64) {
+      widen<64, O>(w, sz, kw, k, group_size, np, n, o);
+    } else {
+      widen<32, O>(w, sz, kw, k, group_size, np, n, o);
+    }
+  };
+  if (out.scalar_type() == at::kFloat) {
+    run(out.data_ptr<float>());
   } else {
-    widen<32>(w, sz, kw, k, group_size, np, n, o);
+    run(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
   }
   return true;
 #else

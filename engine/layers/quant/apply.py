@@ -20,7 +20,8 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
     """GGUF blocks the loader left on the parameter are packed as they are (8-bit Q8_0 values
     as two nibbles, int4.py); a float weight is quantized per `spec` ("gguf": stays float).
     On CUDA int4 goes to tinygemm's pack (cuda_int4.py; `keep_rows`: an embedding's lookup
-    needs plain rows too); int8 is the same tensor on both devices (int8.py runs it)."""
+    needs plain rows too); int8 runs int8.py's kernels, or the int4 op as two nibbles where that
+    runs (int8_as_nibbles)."""
     cuda = param.device.type == "cuda"
     if has_blocks(param):
         w = assemble(param.block_parts, param.shape[0])
@@ -30,7 +31,7 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
             return pack_int4_cuda(q, scale, minimum, BLOCK, split=w.bits == 8, keep_rows=keep_rows)
         return pack_int4(q, scale, minimum, BLOCK, split=w.bits == 8)
     if spec.method == "int8":
-        return quantize_int8(param)
+        return int8_as_nibbles(quantize_int8(param))
     if spec.method == "int4":
         group = group_size_for(param.shape[1], spec.group_size)
         if cuda:
@@ -39,25 +40,27 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
     return param
 
 
-def quantize_head(param: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """An LM head's 8-bit weight (int8 models, and int4 ones: see ParallelLMHead): where the
-    few-row int4 op runs, its int8 values go into the two-nibble int4 pack (exact, as a GGUF's
-    Q8_0 head does), because that op keeps float32 logits where PyTorch's int8 kernel rounds
-    them to bf16 (a step of 0.25 at logits of 32-64: exact ties between the top tokens and coarse
-    logprobs), and it reads the same bytes 1.2-1.7x faster (49152x576 at 1-48 rows)."""
-    q = quantize_param(param, spec)
+def int8_as_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """A CPU int8 weight (quantize_int8) in the two-nibble int4 pack where the few-row int4 op
+    runs: the same int8 values and bf16 scales exactly (as a GGUF's Q8_0 weight runs), because
+    that op reads them 1.2-1.7x faster than PyTorch's int8 kernel at decode (the 49152x576 head
+    at 1-48 rows), keeps float32 sums where that kernel rounds its output to bf16 (logits: a step
+    of 0.25 at 32-64, exact ties between top tokens, coarse logprobs), and lets the fused decode
+    step take int8 models. One scale per row, repeated per group of up to 128 inputs. Else q."""
     if q.dtype != torch.int8 or q.device.type != "cpu" or small_linear_ops() is None:
         return q
     n, k = q.shape
-    if k % BLOCK:
+    try:
+        group = group_size_for(k, 128)
+    except ValueError:
         return q
-    d = q.scale[:, None].expand(n, k // BLOCK).contiguous()
+    d = q.scale[:, None].expand(n, k // group).contiguous()
     w = BlockQuantized(q.data, d, torch.zeros_like(d), 8, "int8")
-    return pack_int4(*w.as_nibbles(split=True), BLOCK, split=True)
+    return pack_int4(*w.as_nibbles(split=True), group, split=True)
 
 
 def is_quantized(w: torch.Tensor | None) -> bool:
     return w is not None and w.dtype in (torch.int8, torch.uint8, torch.int32)  # int32: CUDA's int4 pack
 
 
-__all__ = ["has_blocks", "is_quantized", "quantize_head", "quantize_param"]
+__all__ = ["has_blocks", "int8_as_nibbles", "is_quantized", "quantize_param"]
