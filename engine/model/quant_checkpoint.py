@@ -17,9 +17,9 @@ from torch import nn
 from engine.layers.quant import is_quantized
 from engine.model.gguf_convert import cache_root
 
-FORMAT = (
-    6  # bump when what a quantization produces changes (3: CPU int4's scale_min; 6: int8 as two nibbles, bf16 scales)
-)
+# Bump when what a quantization produces changes (3: CPU int4's scale_min; 6: int8 as two
+# nibbles, bf16 scales).
+FORMAT = 6
 _ATTRS = (
     "scale",
     "scale_bf16",

@@ -13,10 +13,10 @@ Below WIDE_ROWS rows (decode steps, short prompt chunks; 16 where the CPU lacks 
 small_rows) the C++ op `int4_small_linear` (kernels/cpu/int4_linear.cpp) runs instead, reading
 the same packed nibbles in place, 1.1-1.3x faster than PyTorch's kernel over a decode step's
 linears at 4-16 rows (`python -m bench.bench_quant_kernels`), 1.4x over a whole 32-row step.
-An LM head's logits go through it at every row count (int4_logits): it keeps float32 sums. From WIDE_ROWS rows (prompt chunks) the weight is widened
-to bf16 once per call (kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16)
-for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512 rows. The few-row op is
-given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
+An LM head's logits go through it at every row count (int4_logits): it keeps float32 sums.
+From WIDE_ROWS rows (prompt chunks) the weight is widened to bf16 once per call
+(kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16) for oneDNN's bf16
+GEMM: 2.4x PyTorch's kernel at 512 rows. The few-row op is given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
 float32: a row's result does not depend on how many rows share the call, so preemption's
 recompute and batching keep a sequence's greedy tokens (with the exact scales, float32 x, they
 did not). ORBITAL_INT4_SMALL_LINEAR=0 turns it off. `.scale_min` holds the exact scales and mins
@@ -218,20 +218,16 @@ def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> to
     return y if ok else None
 
 
-def _float32_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A prompt chunk through an 8-bit (two-nibble) weight with float32 activations: the weight
-    widened to float32 (exact: q * bf16 scale) and a float32 GEMM, as int8.py runs int8 weights
-    past its crossover; the bf16 GEMM would cost int8 models' perplexity +0.3% (measured)."""
-    ops = small_linear_ops()
+def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None) -> torch.Tensor | None:
+    """x times the packed weight widened once for this call to x's dtype (bf16: the kernel's
+    weight rounded; float32: exact, for 8-bit values with float32 activations, as int8.py runs
+    int8 weights past its crossover, where the bf16 GEMM cost int8 perplexity +0.3%)."""
     if ops is None:
         return None
-    wide = torch.empty(x2.shape[1], weight.out_features)
+    wide = torch.empty(x.shape[1], weight.out_features, dtype=x.dtype)
     if not ops.int4_dequantize(weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], wide):
         return None
-    y = torch.mm(x2, wide)
-    if bias is not None:
-        y += bias
-    return y
+    return torch.mm(x, wide)
 
 
 def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -252,21 +248,22 @@ def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype: the C++ op
     at up to small_rows() rows, the widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's
-    kernel, all with bf16 activations and PyTorch's bf16
-    scales and zeros. The kernel runs with bfloat16 activations at every row count: with float32
+    kernel, all with bf16 activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 8-bit
+    (two-nibble) weights with float32 activations take a float32 GEMM instead. The kernel runs with bfloat16 activations at every row count: with float32
     ones it takes a ~30x slower path at one row; with bf16, on a 3072x576 weight, it is 1.3 ms at
     64 rows (float32 GEMM 1.8, dequantize + float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if weight.two_nibbles and x2.dtype == torch.float32 and x2.shape[0] >= WIDE_ROWS and x2.is_cpu:
-        y = _float32_gemm(x2, weight, bias)  # 8-bit values with float32 activations
+    wide_rows = x2.shape[0] >= WIDE_ROWS and x2.is_cpu
+    if wide_rows and weight.two_nibbles and x2.dtype == torch.float32:
+        y = _widened_mm(x2, weight, small_linear_ops())  # 8-bit values, float32 activations
         if y is not None:
+            if bias is not None:
+                y += bias
             return y.reshape(*x.shape[:-1], y.shape[-1])
     xb = x2.to(torch.bfloat16)
     y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= small_rows() else None
-    if y is None and x2.shape[0] >= WIDE_ROWS and x2.is_cpu and (ops := wide_gemm_ops()) is not None:
-        wide = torch.empty(x2.shape[1], weight.out_features, dtype=torch.bfloat16)
-        if ops.int4_dequantize(weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], wide):
-            y = torch.mm(xb, wide)
+    if y is None and wide_rows:
+        y = _widened_mm(xb, weight, wide_gemm_ops())
     if y is None:
         if weight.two_nibbles:
             xb = torch.cat([xb, xb], dim=-1)

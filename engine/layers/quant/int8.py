@@ -31,7 +31,7 @@ def quantize_int8(w: torch.Tensor) -> nn.Parameter:
     w = w.detach().float()
     scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     # Rounded up to a bf16 value: the CPU kernels take bf16 scales, and a rounded one would scale
-    # a whole output channel off by up to 0.2% (int8 perplexity +0.45% -> +0.3x%, measured).
+    # a whole output channel off by up to 0.2% (int8 perplexity +0.45% -> +0.30%, measured).
     bits = scale.to(torch.bfloat16).view(torch.int16)
     bits = bits + (bits.view(torch.bfloat16).float() < scale).to(torch.int16)
     scale = bits.view(torch.bfloat16).float()
