@@ -2,7 +2,7 @@
 qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights come from
 memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), PyTorch's int4
 kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4_linear.cpp, up
-to its 16 rows; bf16 activations; with PyTorch's bf16 scales as int4_linear runs it, and with the
+to its row limit: 63 on AVX-512 BF16, else 16; bf16 activations; with PyTorch's bf16 scales as int4_linear runs it, and with the
 exact ones: float16 as a GGUF's are, float32 as int4 from float weights has them), and
 dequantize + float32 GEMM. Median ms per step.
 
@@ -19,7 +19,14 @@ import torch.nn.functional as F
 from bench.timing import median_time
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.quant.int4 import dequantize_int4, pack_int4, pack_layout, quantize_int4, unpack_nibbles
+from engine.layers.quant.int4 import (
+    dequantize_int4,
+    pack_int4,
+    pack_layout,
+    quantize_int4,
+    small_rows,
+    unpack_nibbles,
+)
 from engine.layers.quant.int8 import int8_linear, quantize_int8
 
 
@@ -57,7 +64,7 @@ def main(argv=None) -> None:
                 lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros_bf16.float()) for w, (n, k) in zip(i4, shapes)],
                 1,
             )
-        if m <= 16:
+        if m <= small_rows():
             outs = [torch.empty(m, n, dtype=torch.bfloat16) for n, k in shapes]
             block = pack_layout()[1]
             columns = {  # the op's scales: PyTorch's bf16 pairs (what int4_linear passes), exact ones

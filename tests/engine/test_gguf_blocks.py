@@ -81,5 +81,5 @@ def test_packed_blocks_keep_their_values(kinds):
     ref = x @ expected.t()
     rel = ((int4_linear(x, packed) - ref).norm() / ref.norm()).item()
     assert rel < 0.01, rel  # bf16 activations and scales in the kernel
-    ids = torch.tensor([[0, 65, 90], [7, 7, 1]])
+    ids = torch.tensor([[0, 65, 90, 40], [7, 7, 1, 33]])  # both nibbles of a pack's bytes
     assert torch.equal(embedding_int4(packed, ids, torch.float32), got[ids])

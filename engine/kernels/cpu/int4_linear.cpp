@@ -272,20 +272,31 @@ void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bi
   });
 }
 
+// Sum of n floats in 8 lanes (vectorized), then the lanes pairwise.
+static inline float group_sum(const float* v, int64_t n) {
+  float s[8] = {};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) s[l] += v[j + l];
+  float t = 0.f;
+  for (; j < n; ++j) t += v[j];
+  return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + t;
+}
+
 template <typename S, typename X>
 bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_min, int64_t gs,
               int64_t block_rows, const std::optional<torch::Tensor>& bias, torch::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), kw = packed.size(1) * 2, groups = kw / gs, np = packed.size(0);
-  // x widened once (and repeated for a two-nibble weight), with its group sums.
+  // x widened once (and repeated for a two-nibble weight), with its group sums. Plain loops the
+  // compiler vectorizes: at 32 rows this ran per element with a modulo and took ~15% of the op.
   std::vector<float> xf(m * kw), xsum(m * groups);
   const X* xp = x.data_ptr<X>();
   for (int64_t i = 0; i < m; ++i) {
-    for (int64_t j = 0; j < kw; ++j) xf[i * kw + j] = static_cast<float>(xp[i * x.stride(0) + j % k]);
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t j = 0; j < gs; ++j) s += xf[i * kw + g * gs + j];
-      xsum[i * groups + g] = s;
-    }
+    const X* row = xp + i * x.stride(0);
+    float* f = xf.data() + i * kw;
+    for (int64_t j = 0; j < k; ++j) f[j] = static_cast<float>(row[j]);
+    if (kw != k) std::memcpy(f + k, f, k * sizeof(float));
+    for (int64_t g = 0; g < groups; ++g) xsum[i * groups + g] = group_sum(f + g * gs, gs);
   }
   // bf16 x for the dot-product path (block_dp): the same values, paired along k.
   std::vector<uint16_t> xb;
@@ -293,7 +304,7 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   if (std::is_same_v<X, c10::BFloat16> && block_rows == 64 && gs % 2 == 0) {
     xb.resize(m * kw);
     for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = 0; j < kw; ++j) std::memcpy(&xb[i * kw + j], xp + i * x.stride(0) + j % k, 2);
+      for (int64_t c = 0; c < kw; c += k) std::memcpy(&xb[i * kw + c], xp + i * x.stride(0), k * sizeof(X));
   }
 #endif
   const uint16_t* xbp = xb.empty() ? nullptr : xb.data();

@@ -148,17 +148,21 @@ def dequantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.float32) ->
 
 
 def embedding_int4(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a packed weight (a quantized tied embedding): unpacks only the 64-row packs
-    those ids fall in."""
+    """Rows `ids` of a packed weight (a quantized tied embedding): gathers only those rows' bytes
+    (unpacking each id's whole 64-row pack took ~7% of a 32-row decode step)."""
     flat = ids.reshape(-1)
-    block = pack_layout()[1]
-    packs, inside = flat // block, flat % block
-    uniq, where = torch.unique(packs, return_inverse=True)
+    kind, block = pack_layout()
     n, half = weight.shape
-    sub = weight.data.view(n // block, -1)[uniq].view(-1, half)
-    rows = (uniq[:, None] * block + torch.arange(block)).reshape(-1)
-    w = dequantize_packed(sub, weight.scale_min[:, :, rows], weight.group_size, weight.two_nibbles, dtype)
-    return w[where * block + inside].reshape(*ids.shape, w.shape[-1])
+    packs = weight.data.view(n // block, 2 * half, block // 2)  # [pack, k, byte]
+    inside = flat % block
+    if kind == "halves":  # byte j: row j (low nibble) and row j + block / 2 (high)
+        col, high = inside % (block // 2), inside >= block // 2
+    else:  # byte j: rows 2j (low) and 2j + 1 (high)
+        col, high = inside // 2, inside % 2 == 1
+    b = packs[(flat // block)[:, None], torch.arange(2 * half)[None, :], col[:, None]]  # [T, k]
+    q = torch.where(high[:, None], b >> 4, b & 15)
+    w = dequantize_groups(q, weight.scale_min[:, :, flat], weight.group_size, weight.two_nibbles, dtype)
+    return w.reshape(*ids.shape, w.shape[-1])
 
 
 def small_linear_ops() -> ModuleType | None:
