@@ -7,9 +7,11 @@ sends one message per engine step for all of a router's requests there (vLLM's e
 socket does the same). Requests are started and stopped with unary calls (`submit`, `finish`,
 `abort`) pinned to the replica.
 
-A channel ends once its router has no request left on the replica and every output is sent, so
-Serve's graceful drain (it waits for ongoing calls) completes on scale-down; the router opens a
-new one with its next request there.
+A channel ends once its router has had no request on the replica for `linger_s` and every output
+is sent, so Serve's graceful drain (it waits for ongoing calls) completes on scale-down; the router
+opens a new one with its next request there. The linger keeps one channel across back-to-back
+requests: opening a streaming call per request cost one stream (~7 ms of a short prompt's first
+token over HTTP, 36 -> 29 ms; a cached 900-token prompt 74 -> 59 ms) at concurrency 1.
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ from router.messages import RequestFailed, StepOutputs, encode
 # Loop turns after a step is handed over: an output scheduled by the engine thread needs one
 # turn for its callback and one for its pump task.
 COALESCE_TURNS = 3
+# Seconds an idle channel stays open for the router's next request (well under Serve's drain).
+LINGER_S = 1.0
 
 
 class Outbox:
     """Outputs of one router's requests on this replica, waiting for that router's channel."""
 
-    __slots__ = ("items", "active", "_event", "_handed_over")
+    __slots__ = ("items", "active", "linger_s", "_event", "_handed_over")
 
-    def __init__(self, handed_over: Callable[[], None] | None = None) -> None:
+    def __init__(self, handed_over: Callable[[], None] | None = None, linger_s: float = LINGER_S) -> None:
         self.items = StepOutputs()
         self.active: set[str] = set()  # request ids still running here for this router
+        self.linger_s = linger_s
         self._event = asyncio.Event()
         # Returns once the engine thread has handed the current step's outputs to the loop.
         self._handed_over = handed_over
@@ -64,7 +69,7 @@ class Outbox:
         return not self.items and not self.active
 
     async def messages(self) -> AsyncIterator[bytes]:
-        """Encoded batches until idle: all outputs put since the previous message.
+        """Encoded batches until idle for `linger_s`: all outputs put since the previous message.
 
         The engine thread hands a step's outputs to the loop one by one (each wakes one
         request's pump task), and the loop may wake between them: after the first output of
@@ -72,10 +77,16 @@ class Outbox:
         loop a few turns so every pump has put its output."""
         while True:
             if not self.items:
-                if not self.active:
-                    return
                 self._event.clear()
-                await self._event.wait()
+                if self.active:
+                    await self._event.wait()
+                else:
+                    try:  # idle: wait a while for this router's next request
+                        await asyncio.wait_for(self._event.wait(), self.linger_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    if not self.items and not self.active:
+                        return
                 if self._handed_over is not None:
                     self._handed_over()
                 for _ in range(COALESCE_TURNS):

@@ -19,7 +19,7 @@ from router.replica_choice.local_load import LocalLoad
 
 def test_outbox_batches_until_idle():
     async def run():
-        box = Outbox()
+        box = Outbox(linger_s=0.0)
         box.active.update({"a", "b"})
         got = []
 
@@ -42,6 +42,36 @@ def test_outbox_batches_until_idle():
         return got
 
     assert asyncio.run(run()) == [["a1", "b1"], ["a2"], ["b2"]]
+
+
+def test_outbox_keeps_the_channel_for_the_next_request_then_ends():
+    """Back-to-back requests share one channel (no new stream per request); idle for linger_s,
+    it ends."""
+
+    async def run():
+        box = Outbox(linger_s=0.3)
+        box.active.add("a")
+        got = []
+
+        async def read():
+            async for payload in box.messages():
+                got.append((decode(payload).outputs, time.monotonic()))
+
+        reader = asyncio.create_task(read())
+        box.put("a1")
+        box.request_done("a")
+        await asyncio.sleep(0.1)
+        assert not reader.done()  # idle, but lingering
+        box.active.add("b")  # the router's next request, on the same channel
+        box.put("b1")
+        box.request_done("b")
+        idle_from = time.monotonic()
+        await asyncio.wait_for(reader, 2.0)
+        return got, time.monotonic() - idle_from
+
+    got, lingered = asyncio.run(run())
+    assert [g for g, _ in got] == [["a1"], ["b1"]]
+    assert 0.25 <= lingered < 1.5, lingered
 
 
 class _FakeChannelHandle:
