@@ -2,8 +2,10 @@
 qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights come from
 memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), PyTorch's int4
 kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4_linear.cpp, up
-to its row limit: 63 on AVX-512 BF16, else 16; bf16 activations; with PyTorch's bf16 scales as int4_linear runs it, and with the
-exact ones: float16 as a GGUF's are, float32 as int4 from float weights has them), and
+to its 64-row limit; bf16 activations with PyTorch's bf16 scales as int4_linear runs it on
+AVX-512 BF16, and with the exact ones: float16 as a GGUF's are, float32 as int4 from float
+weights has them; float32 activations with float16 scales, as exact mode runs it), the weight
+widened per call (float32 from the exact scales, exact mode; bf16 on AVX-512 BF16) and
 dequantize + float32 GEMM. Median ms per step.
 
     python -m bench.bench_quant_kernels --group 32 --rows 1 4 16 32 64 128 256 512
@@ -24,10 +26,11 @@ from engine.layers.quant.int4 import (
     pack_int4,
     pack_layout,
     quantize_int4,
-    small_rows,
     unpack_nibbles,
 )
 from engine.layers.quant.int8 import int8_linear, quantize_int8
+
+OP_ROWS = 64  # the few-row op's limit (int4_linear.cpp kMaxRows): timed up to it to find crossovers
 
 
 def main(argv=None) -> None:
@@ -64,20 +67,21 @@ def main(argv=None) -> None:
                 lambda: [int4_mm(xs[k], w, w.group_size, w.scales_zeros_bf16.float()) for w, (n, k) in zip(i4, shapes)],
                 1,
             )
-        if m <= small_rows():
-            outs = [torch.empty(m, n, dtype=torch.bfloat16) for n, k in shapes]
+        if m <= OP_ROWS:
             block = pack_layout()[1]
-            columns = {  # the op's scales: PyTorch's bf16 pairs (what int4_linear passes), exact ones
-                "int4 op (int4_linear)": (i4, "scales_zeros_bf16"),
-                "int4 op f16 scales": (i4_f16, "scale_min"),
-                "int4 op f32 scales": (i4, "scale_min"),
+            columns = {  # the op's scales: PyTorch's bf16 pairs (int4_linear on AVX-512 BF16), exact ones
+                "int4 op bf16 pairs": (i4, "scales_zeros_bf16", xb),
+                "int4 op f16 scales": (i4_f16, "scale_min", xb),
+                "int4 op f32 scales": (i4, "scale_min", xb),
+                "int4 op exact f32 x": (i4_f16, "scale_min", xs),  # exact mode (int4.exact_mode)
             }
-            for name, (weights, attr) in columns.items():
+            for name, (weights, attr, x) in columns.items():
                 op = ops.int4_small_linear if ops is not None else None
-                if op is not None and op(xb[576], weights[0], getattr(weights[0], attr), a.group, block, None, outs[0]):
+                outs = [torch.empty(m, n, dtype=x[576].dtype) for n, k in shapes]
+                if op is not None and op(x[576], weights[0], getattr(weights[0], attr), a.group, block, None, outs[0]):
                     r[name] = median_time(
-                        lambda ws=weights, at=attr: [
-                            op(xb[k], w, getattr(w, at), a.group, block, None, o)
+                        lambda ws=weights, at=attr, x=x, outs=outs: [
+                            op(x[k], w, getattr(w, at), a.group, block, None, o)
                             for w, (n, k), o in zip(ws, shapes, outs)
                         ],
                         a.reps,
@@ -93,6 +97,11 @@ def main(argv=None) -> None:
                 lambda: [F.linear(xb[k], w) for w, (n, k) in zip(wide, shapes)], a.reps
             )
             del wide
+            if ops is not None and ops.isa() != "generic":
+                # exact mode past its op rows: the weight widened exactly to float32 per call
+                r["int4 widened f32 per call"] = median_time(
+                    lambda: [widened_linear(ops, xs[k], w, w.scale_min) for w, (n, k) in zip(i4_f16, shapes)], a.reps
+                )
             if ops is not None and ops.isa() == "avx512_bf16":
                 # What int4_linear runs from WIDE_ROWS: the weight widened per call, then that GEMM.
                 r["int4 widened per call"] = median_time(
@@ -101,10 +110,10 @@ def main(argv=None) -> None:
         print(f"rows {m}: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.items()), flush=True)
 
 
-def widened_linear(ops, xb: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    wide = torch.empty(xb.shape[1], w.out_features, dtype=torch.bfloat16)
-    ops.int4_dequantize(w, w.scales_zeros_bf16, w.group_size, pack_layout()[1], wide)
-    return torch.mm(xb, wide)
+def widened_linear(ops, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    wide = torch.empty(x.shape[1], w.out_features, dtype=x.dtype)
+    ops.int4_dequantize(w, w.scales_zeros_bf16 if scales is None else scales, w.group_size, pack_layout()[1], wide)
+    return torch.mm(x, wide)
 
 
 def f16_scales(w: torch.Tensor) -> torch.Tensor:

@@ -60,12 +60,12 @@ def _linear_candidate(module: torch.nn.Module) -> tuple | None:
     if getattr(module, "tp_size", 1) != 1:
         return None
     if w.dtype == torch.uint8:
-        from engine.layers.quant.int4 import pack_layout
+        from engine.layers.quant.int4 import op_scales
         from engine.layers.quant.int4 import small_linear_ops as int4_ops
 
-        if int4_ops() is None or pack_layout() != ("halves", 64):
+        if int4_ops() is None:
             return None
-        return w.data, w.scales_zeros_bf16, bias, w.group_size, w.out_features
+        return w.data, op_scales(w), bias, w.group_size, w.out_features
     if w.dtype not in (torch.float32, torch.bfloat16):
         return None
     plain, ops = (getattr(w, "plain", None), _vector_ops(True)) if w.is_mkldnn else (w, small_linear_ops())

@@ -37,7 +37,7 @@ def _params(n: int) -> list[SamplingParams]:
 
 def _fused_expected(kw: dict) -> bool:
     """Where the few-row ops take every linear: a vector path, and for 4-bit weights the int4 op
-    (only where PyTorch packs int4 for AVX-512: engine/layers/quant/int4.py)."""
+    (where it reads PyTorch's int4 pack: engine/layers/quant/int4.py)."""
     quantized = kw.get("quantization") is not None
     return small_linear_ops() is not None and (not quantized or int4_small_linear_ops() is not None)
 
@@ -70,10 +70,11 @@ def _generate(monkeypatch, fused: bool, prompts, params=None, **kw) -> tuple[lis
         {"quantization": "gguf"},  # the GGUF's Q4_1 blocks and two-nibble Q8_0 (the tied head)
         {"quantization": "gguf", "kv_cache_dtype": "int8"},
         {"dtype": "bfloat16"},
+        {"quantization": "gguf", "dtype": "bfloat16"},  # bf16 x: exact mode widens it to float32
         {"quantization": "int4", "dtype": "float32"},  # float32 activations rounded to bf16 for the op
         {"quantization": "int8", "dtype": "float32"},  # int8 as two nibbles where the int4 op runs
     ],
-    ids=["gguf", "gguf-int8kv", "bf16", "int4-f32", "int8-f32"],
+    ids=["gguf", "gguf-int8kv", "bf16", "gguf-bf16", "int4-f32", "int8-f32"],
 )
 def test_fused_decode_is_bit_identical_to_the_layers(monkeypatch, kw):
     want, _ = _generate(monkeypatch, False, PROMPTS, **kw)

@@ -1,7 +1,8 @@
-"""The int4 weight widened to bf16 (int4_dequantize.cpp) for prompt-sized steps: bit-equal to the
+"""The int4 weight widened (int4_dequantize.cpp) for prompt-sized steps: to bf16, bit-equal to the
 weight PyTorch's int4 kernel computes with, rounded to bf16 (its (q - 8) * scale is exact in
 float32, so one rounding is left), in both pack layouts, for a two-nibble (Q8_0) weight and for
-row counts off the pack's blocks; and int4_linear's use of it from WIDE_ROWS rows."""
+row counts off the pack's blocks; to float32 from the exact scale and min planes (exact mode),
+q * scale + min within one float32 rounding; and int4_linear's use of it from WIDE_ROWS rows."""
 
 import pytest
 import torch
@@ -11,14 +12,16 @@ from engine.layers.quant.blocks import BlockQuantized
 from engine.layers.quant.int4 import (
     WIDE_ROWS,
     dequantize_int4,
+    exact_mode,
     int4_linear,
     pack_int4,
     pack_layout,
     quantize_int4,
+    small_rows,
     unpack_nibbles,
     wide_gemm_ops,
 )
-from tests.engine.test_int4_small_linear import pack_rows32, pytorch_weight
+from tests.engine.test_int4_small_linear import exact_wide, pack_rows, pack_rows32, pytorch_weight, with_f16_scales
 from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture
 
 
@@ -73,6 +76,48 @@ def test_reads_the_32_row_layout(ops):
     assert torch.equal(got, pytorch_weight(w).t().bfloat16())
 
 
+@pytest.mark.parametrize("scales", ["f32", "f16"])
+@pytest.mark.parametrize("block_rows", [64, 32])
+@pytest.mark.parametrize("n,k,group", [(100, 64, 32), (960, 576, 64), (130, 1536, 128)])
+def test_exact_widening_is_q_times_scale_plus_min(ops, n, k, group, block_rows, scales):
+    """From the scale and min planes (float32, or float16 as GGUF's): q * scale + min in float32,
+    one rounding (an FMA), in both layouts."""
+    g = torch.Generator().manual_seed(n + k + block_rows)
+    w = quantize_int4(torch.randn(n, k, generator=g), group)
+    if scales == "f16":
+        w = with_f16_scales(w)
+    q = unpack_nibbles(w.data)
+    packed = torch.nn.Parameter(pack_rows(q, block_rows), requires_grad=False)
+    packed.__dict__.update({a: w.__dict__[a] for a in ("scale_min", "group_size", "two_nibbles", "out_features")})
+    w = packed
+    out = torch.zeros(k, n)
+    if not ops.int4_dequantize(w, w.scale_min, group, block_rows, out):
+        assert not vector(ops) and (out == 0).all()
+        return
+    s, mn = (t.t().double().repeat_interleave(group, dim=1)[:n] for t in w.scale_min)
+    prod, ref = q[:n].double() * s, q[:n].double() * s + mn
+    bound = 2.0**-24 * (prod.abs() + mn.abs())  # one float32 rounding of the exact sum
+    assert ((out.t().double() - ref).abs() <= bound).all()
+    if scales == "f16":  # q * scale exact in float32: the FMA's sum rounded once, as in float64
+        assert torch.equal(out.t(), ref.float())
+
+
+def test_exact_widening_of_two_nibbles_is_the_q8_0_values(ops):
+    """A Q8_0 weight from its exact planes: 16 hi d - 128 d + lo d = q * d, exactly."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 160, 576
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    w = pack_int4(
+        *BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0").as_nibbles(split=True), 32, split=True
+    )
+    out = torch.zeros(k, n)
+    if not ops.int4_dequantize(w, w.scale_min, 32, pack_layout()[1], out):
+        assert not vector(ops)
+        return
+    assert torch.equal(out.t(), q.float() * d.repeat_interleave(32, dim=1))
+
+
 def test_declines_what_it_does_not_cover(ops):
     w = quantize_int4(torch.randn(64, 64), 32)
     sz = w.scales_zeros_bf16
@@ -81,7 +126,9 @@ def test_declines_what_it_does_not_cover(ops):
         (w, sz, 32, 64, torch.empty(64, 64, dtype=torch.float16)),  # neither bf16 nor float32 out
         (w, sz, 32, 64, torch.empty(64, 65, dtype=torch.bfloat16)),  # more rows than packed
         (w, sz, 32, 64, torch.empty(48, 64, dtype=torch.bfloat16)),  # inputs neither k nor 2k
-        (w, sz.float(), 32, 64, torch.empty(64, 64, dtype=torch.bfloat16)),  # not PyTorch's bf16 pairs
+        (w, sz.float(), 32, 64, torch.empty(64, 64, dtype=torch.bfloat16)),  # pairs, not bf16
+        (w, w.scale_min.double(), 32, 64, torch.empty(64, 64)),  # planes neither float32 nor float16
+        (w, w.scale_min[:, :1], 32, 64, torch.empty(64, 64)),  # planes of another shape
         (w, sz, 64, 64, torch.empty(64, 64, dtype=torch.bfloat16)),  # scales for another group size
     ]
     for packed, scales, group, block, out in cases:
@@ -107,6 +154,10 @@ def test_int4_linear_widens_from_wide_rows(ops, xdt, monkeypatch):
         assert (on and m >= WIDE_ROWS) == (wide is not None and torch.equal(got, wide))
     monkeypatch.setenv("ORBITAL_INT4_WIDE_GEMM", "0")
     assert wide_gemm_ops() is None
+    if exact_mode():  # exact mode never runs PyTorch's kernel: past the op, the float32 GEMM of the exact weight
+        x = torch.randn(small_rows() + 1, 256).to(xdt)
+        assert torch.equal(int4_linear(x, w, bias), torch.mm(x.float(), exact_wide(ops, w)).to(xdt) + bias)
+        return
     x = torch.randn(WIDE_ROWS, 256).to(xdt)
     kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), w, 64, w.scales_zeros_bf16)[:, :200]
     assert torch.equal(int4_linear(x, w, bias), kernel.to(xdt) + bias)
@@ -125,7 +176,7 @@ def test_an_int8_weight_with_float32_activations_stays_a_float32_gemm(ops):
     q8 = quantize_int8(w)
     packed = quantize_param(w, QuantSpec("int8"))
     if packed.dtype == torch.int8:  # no int4 op here: int8.py's kernels run it
-        assert not vector(ops) or pack_layout() != ("halves", 64)
+        assert not vector(ops) or pack_layout()[0] != "halves"
         return
     exact = q8.data.float() * q8.scale_bf16.float()[:, None]
     wide = torch.empty(576, 200)

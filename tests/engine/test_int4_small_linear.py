@@ -14,9 +14,11 @@ from engine.layers.quant import QuantSpec
 from engine.layers.quant.apply import quantize_param
 from engine.layers.quant.blocks import BlockQuantized
 from engine.layers.quant.int4 import (
+    EXACT_ROWS,
     SMALL_ROWS,
     WIDE_ROWS,
     dequantize_int4,
+    exact_mode,
     int4_linear,
     int4_logits,
     pack_int4,
@@ -128,12 +130,16 @@ def test_op_with_pytorch_scales_matches_its_weight(ops, m, n, k, group, xdt):
         assert_matches(kernel, x, pytorch_weight(w), None)
 
 
-def pack_rows32(q: torch.Tensor) -> torch.Tensor:
-    """PyTorch's pack as its AVX2 code lays it out: per 32 rows and per k, 16 bytes; byte j holds
-    row j (low nibble) and row j + 16 (high)."""
+def pack_rows(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """PyTorch's pack as its vector code lays it out (64 rows: AVX-512, 32: AVX2): per block of
+    `rows` rows and per k, rows / 2 bytes; byte j holds row j (low nibble) and row j + rows / 2."""
     n, k = q.shape
-    b = q.view(n // 32, 2, 16, k)
+    b = q.view(n // rows, 2, rows // 2, k)
     return (b[:, 0] | b[:, 1] << 4).transpose(1, 2).contiguous().view(n, k // 2)
+
+
+def pack_rows32(q: torch.Tensor) -> torch.Tensor:
+    return pack_rows(q, 32)
 
 
 @pytest.mark.parametrize("m", [1, 3, 6])
@@ -168,40 +174,58 @@ def test_op_declines_what_it_does_not_cover(ops):
     assert not ops.int4_small_linear(x, w, sm, 32, 64, torch.randn(64).bfloat16(), torch.empty(1, 64))
 
 
+def exact_wide(ops, w):
+    """The weight widened exactly to float32 [in_features, N] from its scale and min planes."""
+    k = w.shape[1] * 2 // (2 if w.two_nibbles else 1)
+    wide = torch.empty(k, w.out_features)
+    assert ops.int4_dequantize(w, w.scale_min, w.group_size, pack_layout()[1], wide)
+    return wide
+
+
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
+    """Up to small_rows() rows int4_linear is the op (bit-equal); in exact mode (no native bf16)
+    the op gets x unrounded and the exact scales, and more rows are the float32 GEMM of the
+    exactly widened weight (bit-equal), never PyTorch's bf16 kernel."""
     w = quantize_int4(torch.randn(100, 128), 32)
     bias = torch.randn(100).to(xdt)
     on = small_linear_ops() is not None
-    assert on == (vector(ops) and pack_layout() == ("halves", 64))  # off where PyTorch runs its AVX2 kernel
+    assert on == (vector(ops) and pack_layout()[0] == "halves")  # both vector layouts of PyTorch's pack
+    exact = exact_mode()
+    assert exact == (on and wide_gemm_ops() is None)
     limit = small_rows()
-    assert limit == (WIDE_ROWS - 1 if wide_gemm_ops() is not None else SMALL_ROWS)
+    assert limit == (WIDE_ROWS - 1 if wide_gemm_ops() is not None else EXACT_ROWS if exact else SMALL_ROWS)
     for m in (1, limit, limit + 1, 40):
         x = torch.randn(m, 128).to(xdt)
         got = int4_linear(x, w, bias)
         ref = F.linear(x.float(), dequantize_int4(w), bias.float())
         torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
-        if on and m <= limit:  # bit-equal to the op: it ran, not PyTorch's kernel
+        if exact:
+            direct = run_op(ops, x.float(), w) if m <= limit else torch.mm(x.float(), exact_wide(ops, w))
+            assert torch.equal(got, direct.to(xdt) + bias)
+        elif on and m <= limit:  # bit-equal to the op: it ran, not PyTorch's kernel
             direct = run_op(ops, x.bfloat16().to(xdt), w, scale_min=w.scales_zeros_bf16) + bias
             assert torch.equal(got, direct)
     x3 = torch.randn(2, 1, 128).to(xdt)  # leading dims are kept
     assert int4_linear(x3, w, bias).shape == (2, 1, 100)
     monkeypatch.setenv("ORBITAL_INT4_SMALL_LINEAR", "0")
-    assert small_linear_ops() is None
+    assert small_linear_ops() is None and not exact_mode()
 
 
+@pytest.mark.parametrize("scales", ["pairs", "exact"])
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt):
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt, scales):
     """Batching and preemption's recompute rely on it: 50 rows at once (13 chunks) equal each
-    row alone, bit for bit."""
+    row alone, bit for bit, with PyTorch's bf16 pairs and with the exact scales."""
     g = torch.Generator().manual_seed(5)
     w = quantize_int4(torch.randn(200, 576, generator=g), 32)
+    sm = w.scales_zeros_bf16 if scales == "pairs" else w.scale_min
     x = torch.randn(50, 576, generator=g).to(xdt)
-    together = run_op(ops, x, w, scale_min=w.scales_zeros_bf16)
+    together = run_op(ops, x, w, scale_min=sm)
     if together is None:
         assert not vector(ops)
         return
-    alone = torch.cat([run_op(ops, x[i : i + 1], w, scale_min=w.scales_zeros_bf16) for i in range(50)])
+    alone = torch.cat([run_op(ops, x[i : i + 1], w, scale_min=sm) for i in range(50)])
     assert torch.equal(together, alone)
 
 
@@ -224,7 +248,8 @@ def test_an_8bit_head_keeps_float32_logits_where_the_op_runs(ops):
     for m in (1, 7, small_rows(), small_rows() + 1, 150):
         x = torch.randn(m, 576, generator=g)
         y = int4_logits(x, head)
-        ref = (x.bfloat16().double() @ wb.double().t()).float()
+        xr = x if exact_mode() else x.bfloat16()  # exact mode: x as it is
+        ref = (xr.double() @ wb.double().t()).float()
         assert y.dtype == torch.float32 and y.shape == (m, 320)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
         assert not torch.equal(y, y.bfloat16().float())  # not rounded to bf16

@@ -1,6 +1,6 @@
 // The CPU ops module: paged decode and prefill attention (paged_decode.cpp, prefill_attention.cpp),
 // the few-row linears of low-concurrency decode (small_linear.cpp, int4_linear.cpp), int4 weights
-// widened to bf16 for prompt-sized steps (int4_dequantize.cpp),
+// widened to bf16 or float32 for prompt-sized steps (int4_dequantize.cpp),
 // the paged cache write (kv_write.cpp), the greedy row argmax (argmax.cpp) and the fused
 // RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), a few-row decode step's decoder
 // layers in one call (decode_layers.cpp), built once per source version
@@ -38,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_small_linear", &int4_small_linear,
         "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable");
   m.def("int4_dequantize", &int4_dequantize,
-        "out[k, n] = bf16 weight of PyTorch's CPU int4 pack (transposed) for a prompt-sized GEMM; false if not applicable");
+        "out[k, n] = bf16 or float32 weight of PyTorch's CPU int4 pack (transposed) for a prompt-sized GEMM; false if not applicable");
   m.def("isa", &isa, "vector path compiled in");
   bind_decode_layers(m);
 }

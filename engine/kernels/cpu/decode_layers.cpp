@@ -11,8 +11,10 @@
 
 namespace {
 
-// One linear layer: PyTorch's CPU int4 pack (scale_min = its bf16 (scale, zero) pairs; the bias
-// is added after rounding, as engine/layers/quant/int4.py does) or a plain float weight.
+// One linear layer: PyTorch's CPU int4 pack or a plain float weight. The int4 scales are PyTorch's
+// bf16 (scale, zero) pairs (float32 x rounded to bf16 first) or, in exact mode, the exact scale
+// and min planes (x widened to float32, the sums rounded to x's dtype); the bias is added after
+// rounding, as engine/layers/quant/int4.py does.
 struct Linear {
   torch::Tensor w;
   std::optional<torch::Tensor> scales;  // set: int4
@@ -22,7 +24,12 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     auto y = torch::empty({x.size(0), out}, x.options());
     bool ok;
-    if (scales) {
+    if (scales && scales->scalar_type() != at::kBFloat16) {
+      auto y32 = x.scalar_type() == at::kFloat ? y : torch::empty({x.size(0), out}, x.options().dtype(at::kFloat));
+      ok = int4_small_linear(x.to(at::kFloat), w, *scales, group_size, block_rows, std::nullopt, y32);
+      if (ok && !y32.is_same(y)) y.copy_(y32);
+      if (ok && bias) y.add_(*bias);
+    } else if (scales) {
       // float32 activations: the int4 path feeds the op bf16-rounded values (int4_linear).
       const auto xin = x.scalar_type() == at::kFloat ? x.to(at::kBFloat16).to(at::kFloat) : x;
       ok = int4_small_linear(xin, w, *scales, group_size, block_rows, std::nullopt, y);

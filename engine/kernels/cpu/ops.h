@@ -16,6 +16,6 @@ bool silu_and_mul(torch::Tensor x, torch::Tensor out);
 bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
                        int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out);
-bool int4_dequantize(torch::Tensor packed, torch::Tensor scales_zeros, int64_t group_size, int64_t block_rows,
+bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,
                      torch::Tensor out);
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);

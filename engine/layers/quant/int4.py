@@ -9,19 +9,24 @@ A "two_nibbles" weight carries 8-bit values as two nibbles (Q8_0: q = 16 * hi + 
 along the input dimension, so one int4 call over [x, x] computes it exactly: the hi half has
 scale 16 * d and min -128 * d, the lo half scale d and min 0.
 
-Below WIDE_ROWS rows (decode steps, short prompt chunks; 16 where the CPU lacks AVX-512 BF16:
-small_rows) the C++ op `int4_small_linear` (kernels/cpu/int4_linear.cpp) runs instead, reading
-the same packed nibbles in place, 1.1-1.3x faster than PyTorch's kernel over a decode step's
-linears at 4-16 rows (`python -m bench.bench_quant_kernels`), 1.4x over a whole 32-row step.
-An LM head's logits go through it at every row count (int4_logits): it keeps float32 sums.
-From WIDE_ROWS rows (prompt chunks) the weight is widened to bf16 once per call
-(kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16) for oneDNN's bf16
-GEMM: 2.4x PyTorch's kernel at 512 rows. The few-row op is given what that kernel computes with (bf16 activations, its bf16 scales and zeros) and sums in
-float32: a row's result does not depend on how many rows share the call, so preemption's
-recompute and batching keep a sequence's greedy tokens (with the exact scales, float32 x, they
-did not). ORBITAL_INT4_SMALL_LINEAR=0 turns it off. `.scale_min` holds the exact scales and mins
-(float16 where that holds them exactly, as it does GGUF's) for dequantizing (and the op's exact
-mode, tested against dequantize + float32 matmul).
+Where the CPU multiplies bf16 natively (AVX-512 BF16), below WIDE_ROWS rows (decode steps, short
+prompt chunks) the C++ op `int4_small_linear` (kernels/cpu/int4_linear.cpp) runs, reading the
+packed nibbles in place, 1.1-1.3x faster than PyTorch's kernel over a decode step's linears at
+4-16 rows (`python -m bench.bench_quant_kernels`), 1.4x over a whole 32-row step; from WIDE_ROWS
+rows (prompt chunks) the weight is widened to bf16 once per call (kernels/cpu/int4_dequantize.cpp,
+the kernel's own weight rounded to bf16) for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512
+rows. The few-row op is given what that kernel computes with (bf16 activations, its bf16 scales
+and zeros) and sums in float32: a row's result does not depend on how many rows share the call,
+so preemption's recompute and batching keep a sequence's greedy tokens.
+
+Elsewhere (AVX2, AVX-512 without BF16: exact_mode) a bf16 GEMM is emulated, so every path computes
+with the exact scales and mins and the activations as they are: the op up to small_rows() rows,
+past it the weight widened exactly to float32 for a float32 GEMM. PyTorch's kernel runs only where
+the op has no vector path.
+
+An LM head's logits go through the op at every row count (int4_logits): it keeps float32 sums.
+ORBITAL_INT4_SMALL_LINEAR=0 turns the op off. `.scale_min` holds the exact scales and mins
+(float16 where that holds them exactly, as it does GGUF's) for dequantizing and exact mode.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ from torch import nn
 
 PACK_ROWS = 64  # N is padded to a multiple of the CPU pack's row blocks (64, or 32: see pack_layout)
 SMALL_ROWS = 16  # rows up to which int4_small_linear runs where the CPU has no bf16 dot products
+# Exact mode's op limit (the op's own, 64): on a 2-core AVX2 EPYC the op over a SmolLM2 step's 121
+# linears beats the float32 GEMM of the widened weight at every row count up to it (16 rows: 59 vs
+# 136 ms with the widening, 64: 208 vs 463; `python -m bench.bench_quant_kernels`).
+EXACT_ROWS = 64
 WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
 
 
@@ -173,12 +182,8 @@ def small_linear_ops() -> ModuleType | None:
 
 @functools.cache
 def _small_ops(enabled: bool) -> ModuleType | None:
-    # Asked by every int4 linear at decode: computed once. Only where PyTorch runs its AVX-512
-    # kernel (64-row layout): its AVX2 kernel rounds differently enough that a request decoded
-    # through the op alone and through PyTorch's kernel in a batch (or recomputed after
-    # preemption) parted ways in greedy tokens (tests/engine/test_quantization_int4.py, with
-    # ATEN_CPU_CAPABILITY=avx2); the op still reads the 32-row layout (tested), unused.
-    if not enabled or pack_layout() != ("halves", 64):
+    # Asked by every int4 linear at decode: computed once.
+    if not enabled or pack_layout()[0] != "halves":
         return None
     from engine.kernels.cpu_ops import load_cpu_ops
 
@@ -186,27 +191,56 @@ def _small_ops(enabled: bool) -> ModuleType | None:
     return ops if ops is not None and ops.isa() != "generic" else None
 
 
+@functools.cache
+def _bf16_native(ops: ModuleType) -> bool:
+    """AVX-512 BF16 with PyTorch's 64-row pack: bf16 dot products in the op, a native bf16 GEMM."""
+    return (
+        ops.isa() == "avx512_bf16" and pack_layout() == ("halves", 64) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def exact_mode() -> bool:
+    """Whether the int4 paths compute with the exact scales and mins and unrounded activations:
+    where the op runs but the CPU has no native bf16 (AVX2, AVX-512 without BF16). The op then
+    sums q * x in float32 per group (x as the layer has it), and past small_rows() rows the weight
+    is widened exactly to float32 for a float32 GEMM (native there, a bf16 one emulated). Both
+    are float32 sums of the same exact products, as a float32 model's few-row op and GEMM are,
+    so a sequence keeps its greedy tokens through batching and preemption's recompute.
+    PyTorch's bf16 kernel, which the AVX2 machine ran before, rounds activations, scales and
+    results to bf16, and a request decoded through the op alone and through that kernel in a
+    batch parted ways in greedy tokens. Exact GGUF scales are also closer to the file's model."""
+    ops = small_linear_ops()
+    return ops is not None and not _bf16_native(ops)
+
+
+def op_scales(weight: torch.Tensor) -> torch.Tensor:
+    """What the few-row op reads a weight's groups from: the exact scale and min planes in exact
+    mode, else PyTorch's kernel's bf16 (scale, zero) pairs."""
+    return weight.scale_min if exact_mode() else weight.scales_zeros_bf16
+
+
 def wide_gemm_ops() -> ModuleType | None:
     """The C++ ops when prompt-sized steps widen int4 weights to bf16 for oneDNN's GEMM: where the
     few-row op runs (so both read one layout) and the CPU multiplies bf16 natively (AVX-512 BF16;
-    elsewhere a bf16 GEMM is emulated and PyTorch's int4 kernel stays). ORBITAL_INT4_WIDE_GEMM=0
-    turns it off."""
+    elsewhere exact_mode widens to float32). ORBITAL_INT4_WIDE_GEMM=0 turns it off (PyTorch's
+    kernel then runs those steps)."""
     return _wide_ops(os.environ.get("ORBITAL_INT4_WIDE_GEMM", "1") != "0")
 
 
 @functools.cache
 def _wide_ops(enabled: bool) -> ModuleType | None:
     ops = small_linear_ops()
-    if not enabled or ops is None or ops.isa() != "avx512_bf16":
-        return None
-    return ops if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    return ops if enabled and ops is not None and _bf16_native(ops) else None
 
 
 def small_rows() -> int:
     """Rows up to which int4_small_linear runs: below WIDE_ROWS where its bf16 dot-product path
     and the widened GEMM run (AVX-512 BF16: a 32-row decode step of SmolLM2 in 63 ms against 90
-    through PyTorch's kernel from 17 rows, 48 rows in 98 against 132), else SMALL_ROWS."""
-    return WIDE_ROWS - 1 if wide_gemm_ops() is not None else SMALL_ROWS
+    through PyTorch's kernel from 17 rows, 48 rows in 98 against 132), else EXACT_ROWS in exact
+    mode, else SMALL_ROWS."""
+    if wide_gemm_ops() is not None:
+        return WIDE_ROWS - 1
+    return EXACT_ROWS if exact_mode() else SMALL_ROWS
 
 
 def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -222,16 +256,31 @@ def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> to
     return y if ok else None
 
 
-def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None) -> torch.Tensor | None:
+def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None, scales=None) -> torch.Tensor | None:
     """x times the packed weight widened once for this call to x's dtype (bf16: the kernel's
     weight rounded; float32: exact, for 8-bit values with float32 activations, as int8.py runs
-    int8 weights past its crossover, where the bf16 GEMM cost int8 perplexity +0.3%)."""
+    int8 weights past its crossover, where the bf16 GEMM cost int8 perplexity +0.3%, and for every
+    weight in exact mode, from its exact scales)."""
     if ops is None:
         return None
     wide = torch.empty(x.shape[1], weight.out_features, dtype=x.dtype)
-    if not ops.int4_dequantize(weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], wide):
+    sz = weight.scales_zeros_bf16 if scales is None else scales
+    if not ops.int4_dequantize(weight, sz, weight.group_size, pack_layout()[1], wide):
         return None
     return torch.mm(x, wide)
+
+
+def _exact_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """Exact mode (exact_mode): float32 sums of x (widened to float32 if bf16, exactly) times the
+    exact weight, through the op up to small_rows() rows, else a float32 GEMM of the weight
+    widened once; float32 [rows, out_features], or None where the op declines."""
+    ops = small_linear_ops()
+    x32 = x2.float()
+    if x2.shape[0] > small_rows():
+        return _widened_mm(x32, weight, ops, weight.scale_min)
+    y = x32.new_empty(x2.shape[0], weight.out_features)
+    ok = ops.int4_small_linear(x32, weight, weight.scale_min, weight.group_size, pack_layout()[1], None, y)
+    return y if ok else None
 
 
 def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -242,7 +291,10 @@ def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x2.dtype != torch.float32 or small_linear_ops() is None or x2.shape[0] == 0:
         return int4_linear(x, weight)
     step = small_rows()
-    parts = [_few_rows_op(c, c.to(torch.bfloat16), weight) for c in x2.split(step)]
+    if exact_mode():
+        parts = [_exact_linear(c, weight) for c in x2.split(step)]
+    else:
+        parts = [_few_rows_op(c, c.to(torch.bfloat16), weight) for c in x2.split(step)]
     if any(p is None for p in parts):
         return int4_linear(x, weight)
     y = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -250,30 +302,36 @@ def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype: the C++ op
-    at up to small_rows() rows, the widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's
-    kernel, all with bf16 activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 8-bit
-    (two-nibble) weights with float32 activations take a float32 GEMM instead. The kernel runs with bfloat16 activations at every row count: with float32
-    ones it takes a ~30x slower path at one row; with bf16, on a 3072x576 weight, it is 1.3 ms at
-    64 rows (float32 GEMM 1.8, dequantize + float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
+    """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype. In exact mode
+    (CPUs without native bf16) _exact_linear; else the C++ op at up to small_rows() rows, the
+    widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's kernel, all with bf16
+    activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 8-bit (two-nibble) weights
+    with float32 activations take a float32 GEMM instead. The kernel runs with bfloat16
+    activations at every row count: with float32 ones it takes a ~30x slower path at one row;
+    with bf16, on a 3072x576 weight, it is 1.3 ms at 64 rows (float32 GEMM 1.8, dequantize +
+    float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    y = None
+    if x2.is_cpu and x2.shape[0] > 0 and exact_mode():
+        y = _exact_linear(x2, weight)
     wide_rows = x2.shape[0] >= WIDE_ROWS and x2.is_cpu
-    if wide_rows and weight.two_nibbles and x2.dtype == torch.float32:
+    if y is None and wide_rows and weight.two_nibbles and x2.dtype == torch.float32:
         y = _widened_mm(x2, weight, small_linear_ops())  # 8-bit values, float32 activations
         if y is not None:
             if bias is not None:
                 y += bias
             return y.reshape(*x.shape[:-1], y.shape[-1])
-    xb = x2.to(torch.bfloat16)
-    y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= small_rows() else None
-    if y is None and wide_rows:
-        y = _widened_mm(xb, weight, wide_gemm_ops())
     if y is None:
-        if weight.two_nibbles:
-            xb = torch.cat([xb, xb], dim=-1)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, weight, weight.group_size, weight.scales_zeros_bf16)
-        y = y if y.shape[1] == weight.out_features else y[:, : weight.out_features]
-    y = y.to(x.dtype)  # the bias after, as both paths round to bf16 first
+        xb = x2.to(torch.bfloat16)
+        y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= small_rows() else None
+        if y is None and wide_rows:
+            y = _widened_mm(xb, weight, wide_gemm_ops())
+        if y is None:
+            if weight.two_nibbles:
+                xb = torch.cat([xb, xb], dim=-1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, weight, weight.group_size, weight.scales_zeros_bf16)
+            y = y if y.shape[1] == weight.out_features else y[:, : weight.out_features]
+    y = y.to(x.dtype)  # the bias after, as every path rounds to x's dtype first
     if bias is not None:
         y += bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
