@@ -212,21 +212,27 @@ def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
     assert small_linear_ops() is None and not exact_mode()
 
 
+@pytest.mark.parametrize("block_rows", [64, 32])
 @pytest.mark.parametrize("scales", ["pairs", "exact"])
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt, scales):
-    """Batching and preemption's recompute rely on it: 50 rows at once (13 chunks) equal each
-    row alone, bit for bit, with PyTorch's bf16 pairs and with the exact scales."""
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, xdt, scales, block_rows):
+    """Batching and preemption's recompute rely on it: 50 rows at once (13 chunks) and smaller
+    counts equal each row alone, bit for bit, with PyTorch's bf16 pairs and with the exact
+    scales, in both layouts."""
     g = torch.Generator().manual_seed(5)
     w = quantize_int4(torch.randn(200, 576, generator=g), 32)
+    packed = torch.nn.Parameter(pack_rows(unpack_nibbles(w.data), block_rows), requires_grad=False)
+    packed.__dict__.update({a: w.__dict__[a] for a in ("scale_min", "group_size", "two_nibbles", "out_features")})
     sm = w.scales_zeros_bf16 if scales == "pairs" else w.scale_min
     x = torch.randn(50, 576, generator=g).to(xdt)
-    together = run_op(ops, x, w, scale_min=sm)
+    together = run_op(ops, x, packed, block_rows=block_rows, scale_min=sm)
     if together is None:
         assert not vector(ops)
         return
-    alone = torch.cat([run_op(ops, x[i : i + 1], w, scale_min=sm) for i in range(50)])
+    alone = torch.cat([run_op(ops, x[i : i + 1], packed, block_rows=block_rows, scale_min=sm) for i in range(50)])
     assert torch.equal(together, alone)
+    for m in (2, 3, 5, 6, 7, 9, 13):
+        assert torch.equal(run_op(ops, x[:m], packed, block_rows=block_rows, scale_min=sm), alone[:m])
 
 
 def test_an_8bit_head_keeps_float32_logits_where_the_op_runs(ops):
