@@ -46,14 +46,21 @@ def test_widened_weight_is_the_kernels_weight_in_bf16(ops, n, k, group):
     assert torch.equal(got, pytorch_weight(w).t().bfloat16())
 
 
-def test_two_nibble_weight_sums_its_halves_before_rounding(ops):
-    g = torch.Generator().manual_seed(7)
+def q8_0_weight(seed: int):
+    """(q, d, packed): a random Q8_0 weight [160, 576] (float16 scales per 32) as two nibbles."""
+    g = torch.Generator().manual_seed(seed)
     n, k = 160, 576
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
     w = pack_int4(
         *BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0").as_nibbles(split=True), 32, split=True
     )
+    return q, d, w
+
+
+def test_two_nibble_weight_sums_its_halves_before_rounding(ops):
+    q, d, w = q8_0_weight(7)
+    k = q.shape[1]
     got = widen(ops, w)
     if got is None:
         assert not vector(ops)
@@ -104,13 +111,8 @@ def test_exact_widening_is_q_times_scale_plus_min(ops, n, k, group, block_rows, 
 
 def test_exact_widening_of_two_nibbles_is_the_q8_0_values(ops):
     """A Q8_0 weight from its exact planes: 16 hi d - 128 d + lo d = q * d, exactly."""
-    g = torch.Generator().manual_seed(3)
-    n, k = 160, 576
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
-    w = pack_int4(
-        *BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0").as_nibbles(split=True), 32, split=True
-    )
+    q, d, w = q8_0_weight(3)
+    n, k = q.shape
     out = torch.zeros(k, n)
     if not ops.int4_dequantize(w, w.scale_min, 32, pack_layout()[1], out):
         assert not vector(ops)
