@@ -84,6 +84,29 @@ def build_target() -> str:
     return supported[0]
 
 
+def build_flags(target: str) -> list[str]:
+    return ["-O3", "-ffast-math", "-fopenmp", *TARGETS[target][0]]
+
+
+def source_files(src: Path) -> list[Path]:
+    return sorted(src.glob("*.cpp")) + sorted(src.glob("*.h"))
+
+
+def build_dir_name(src: Path, target: str, torch_version: str) -> str:
+    """The build's folder under the cache, keyed by the sources (names and bytes), the target's
+    flags, torch's version and the sources' folder: an edited kernel, another CPU kind or another
+    torch never reuses a stale build, and two checkouts sharing one cache (a work tree and an
+    installed copy) do not share one either, since torch writes the sources' absolute paths into
+    the build's ninja file and each would rebuild the other's from scratch on every load."""
+    key = (
+        b"".join(p.name.encode() + p.read_bytes() for p in source_files(src))
+        + " ".join(build_flags(target)).encode()
+        + torch_version.encode()
+        + str(src.resolve()).encode()
+    )
+    return f"cpu_ops-{target}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
 def load_cpu_ops() -> ModuleType | None:
     global _MODULE, _TRIED
     if not _TRIED:  # the layers ask on every forward: no lock once the answer is known
@@ -104,16 +127,9 @@ def _build():
         from engine.model.gguf_convert import cache_root
 
         target = build_target()
-        flags = ["-O3", "-ffast-math", "-fopenmp", *TARGETS[target][0]]
-        files = sorted(_SRC.glob("*.cpp")) + sorted(_SRC.glob("*.h"))
-        # Keyed by the sources, the target's flags and torch's version: an edited kernel, another
-        # CPU kind or another torch never reuses a stale build.
-        key = (
-            b"".join(p.name.encode() + p.read_bytes() for p in files)
-            + " ".join(flags).encode()
-            + torch.__version__.encode()
-        )
-        build = cache_root() / "torch_extensions" / f"cpu_ops-{target}-{hashlib.sha256(key).hexdigest()[:12]}"
+        flags = build_flags(target)
+        files = source_files(_SRC)
+        build = cache_root() / "torch_extensions" / build_dir_name(_SRC, target, torch.__version__)
         build.mkdir(parents=True, exist_ok=True)
         mod = load(
             name="orbital_cpu_ops",

@@ -36,6 +36,23 @@ def test_targets_follow_the_cpu_flags(monkeypatch):
     assert supported_targets() == ["generic"]
 
 
+def test_build_folder_is_keyed_by_sources_target_torch_and_checkout(tmp_path):
+    """Two checkouts with the same sources get their own builds (torch's ninja file names the
+    sources' absolute paths: a shared one was rebuilt from scratch whenever the other loaded)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        d.mkdir()
+        (d / "op.cpp").write_text("int f() { return 1; }\n")
+    name = cpu_ops.build_dir_name
+    assert name(a, "avx2", "2.13.0") == name(a, "avx2", "2.13.0")
+    assert name(a, "avx2", "2.13.0") != name(b, "avx2", "2.13.0")
+    assert name(a, "avx2", "2.13.0") != name(a, "generic", "2.13.0")
+    assert name(a, "avx2", "2.13.0") != name(a, "avx2", "2.14.1")
+    before = name(a, "avx2", "2.13.0")
+    (a / "op.cpp").write_text("int f() { return 2; }\n")
+    assert name(a, "avx2", "2.13.0") != before
+
+
 def test_forced_target_must_be_one_this_cpu_runs(monkeypatch, caplog):
     best = supported_targets()[0]
     monkeypatch.setenv("ORBITAL_CPU_ISA", "generic")
