@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 # Build the C++ CPU ops once up front (cached under ~/.cache/orbital by source hash), so the
 # first engine start (a Serve replica, a test) does not spend a minute compiling.
 KSTAMP := .venv/.orbital-cpu-ops
-$(KSTAMP): $(STAMP) $(wildcard engine/kernels/cpu/*)
+$(KSTAMP): $(STAMP) engine/kernels/cpu_ops.py $(wildcard engine/kernels/cpu/*)
 	$(PY) -m engine.kernels.cpu_ops
 	touch $(KSTAMP)
 
 # The next lower target too, for tests/engine/test_cpu_targets.py (tests only, not `make run`).
 KLOWER := .venv/.orbital-cpu-ops-lower
-$(KLOWER): $(STAMP) $(wildcard engine/kernels/cpu/*)
+$(KLOWER): $(STAMP) engine/kernels/cpu_ops.py $(wildcard engine/kernels/cpu/*)
 	$(PY) -m engine.kernels.cpu_ops --lower
 	touch $(KLOWER)
 

@@ -13,6 +13,8 @@ lower target than the CPU's best (to test or compare paths).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -107,6 +109,22 @@ def build_dir_name(src: Path, target: str, torch_version: str) -> str:
     return f"cpu_ops-{target}-{hashlib.sha256(key).hexdigest()[:12]}"
 
 
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    """Holds an flock on the build folder around torch's `load`. torch guards a build with a
+    `lock` file that only the building process removes: a process killed mid-build (a replica
+    stopped while it compiled) left it behind, and every later start waited on it forever. The
+    kernel drops an flock with its process, and while this one holds it no other process is in
+    `load` here, so a `lock` file found then is a dead build's and is removed."""
+    with open(build / ".orbital-build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load_cpu_ops() -> ModuleType | None:
     global _MODULE, _TRIED
     if not _TRIED:  # the layers ask on every forward: no lock once the answer is known
@@ -131,14 +149,15 @@ def _build():
         files = source_files(_SRC)
         build = cache_root() / "torch_extensions" / build_dir_name(_SRC, target, torch.__version__)
         build.mkdir(parents=True, exist_ok=True)
-        mod = load(
-            name="orbital_cpu_ops",
-            sources=[str(p) for p in files if p.suffix == ".cpp"],
-            build_directory=str(build),
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _build_lock(build):
+            mod = load(
+                name="orbital_cpu_ops",
+                sources=[str(p) for p in files if p.suffix == ".cpp"],
+                build_directory=str(build),
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         if mod.isa() != target:
             raise RuntimeError(f"built for {target} but the module reports {mod.isa()}")
         return mod

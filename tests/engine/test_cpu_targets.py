@@ -53,6 +53,20 @@ def test_build_folder_is_keyed_by_sources_target_torch_and_checkout(tmp_path):
     assert name(a, "avx2", "2.13.0") != before
 
 
+def test_a_dead_builds_lock_does_not_hang_the_next_start():
+    """torch's `lock` file, left in the build folder by a build that was killed, is removed under
+    the flock (before, every later start waited on it forever)."""
+    mod = load_cpu_ops()
+    if mod is None:
+        pytest.skip("no C++ ops here")
+    build = Path(mod.__file__).parent
+    (build / "lock").touch()
+    code = "from engine.kernels.cpu_ops import load_cpu_ops; m = load_cpu_ops(); print(m.isa())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == mod.isa(), out.stderr
+    assert not (build / "lock").exists()
+
+
 def test_forced_target_must_be_one_this_cpu_runs(monkeypatch, caplog):
     best = supported_targets()[0]
     monkeypatch.setenv("ORBITAL_CPU_ISA", "generic")
