@@ -272,11 +272,12 @@ def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None, s
 
 def _exact_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """Exact mode (exact_mode): float32 sums of x (widened to float32 if bf16, exactly) times the
-    exact weight, through the op up to small_rows() rows, else a float32 GEMM of the weight
+    exact weight, through the op up to EXACT_ROWS rows (small_rows() in exact mode, read here
+    without its environment lookups: this runs per linear), else a float32 GEMM of the weight
     widened once; float32 [rows, out_features], or None where the op declines."""
     ops = small_linear_ops()
     x32 = x2.float()
-    if x2.shape[0] > small_rows():
+    if x2.shape[0] > EXACT_ROWS:
         return _widened_mm(x32, weight, ops, weight.scale_min)
     y = x32.new_empty(x2.shape[0], weight.out_features)
     ok = ops.int4_small_linear(x32, weight, weight.scale_min, weight.group_size, pack_layout()[1], None, y)
