@@ -1,17 +1,20 @@
-"""Orbital's server with and without a spare core for small steps (engine/step_threads.py), side
-by side over HTTP at concurrency 1 to 16.
+"""Orbital's server with two settings of how its engine shares the cores, side by side over HTTP
+at concurrency 1 to 16: `--compare spare`, with and without a spare core for small steps
+(engine/step_threads.py); `--compare spin`, the served engine's OpenMP spin (GOMP_SPINCOUNT
+200000, router/serve_tuning.py) against the offline default of 2000.
 
-    python -m bench.bench_spare_core [--quantization gguf] [--rounds 2]
+    python -m bench.bench_spare_core [--compare spare|spin] [--quantization gguf] [--rounds 2]
 
 One `orbital serve` at a time on this machine (two Ray clusters would share the cores): per
-round, the server with `--spare-core-max-tokens 4` (the default) and then with 0 each start,
-run every level, and stop. Same client (`loadtest`), greedy, outputs capped at `--max-output`,
+round, the server with the first setting and then with the second each start, run every level,
+and stop. Same client (`loadtest`), greedy, outputs capped at `--max-output`,
 32 mixed requests (4 at concurrency 1). Medians over rounds, and the ratio spare / none.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -20,11 +23,31 @@ from bench.bench_llamacpp import free_port, measure, specs_for
 from loadtest.server import ServerProcess
 from loadtest.tokens import load_counter
 
-SETTINGS = {"spare core (4)": 4, "no spare core": 0}
+# name: (extra serve flags, environment); the first of each pair is the default.
+COMPARE = {
+    "spare": {"spare core (4)": ("--spare-core-max-tokens 4", {}), "no spare core": ("--spare-core-max-tokens 0", {})},
+    "spin": {"spin 200000": ("", {}), "spin 2000": ("", {"GOMP_SPINCOUNT": "2000"})},
+}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """The server process inherits os.environ: `env` added for its start, then removed."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--compare", choices=sorted(COMPARE), default="spare")
     p.add_argument("--quantization", default="gguf", help="Orbital's weights ('none' for the model dtype)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -35,30 +58,31 @@ def main(argv: list[str] | None = None) -> int:
     specs = specs_for("mixed", 32, a.max_output, load_counter("smollm2"), 0)
     levels = [int(x) for x in a.levels.split(",")]
     quant = "" if a.quantization == "none" else f" --quantization {a.quantization}"
+    settings = COMPARE[a.compare]
     results: dict[tuple[str, int], list[dict]] = {}
     for r in range(a.rounds):
-        for name, spare in SETTINGS.items():
+        for name, (flags, env) in settings.items():
             port = free_port()
             cmd = (
                 f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {port} --threads {a.threads} "
-                f"--dtype {a.dtype}{quant} --spare-core-max-tokens {spare}"
+                f"--dtype {a.dtype}{quant} {flags}"
             )
             url = f"http://127.0.0.1:{port}"
-            with ServerProcess(cmd, url, log_path="/tmp/bench_spare_core.log"):
+            with _environment(env), ServerProcess(cmd, url, log_path="/tmp/bench_spare_core.log"):
                 measure(specs[:4], url, None)  # warm-up
                 for lv in levels:
                     m = measure(specs[:4] if lv == 1 else specs, url, lv)
                     results.setdefault((name, lv), []).append(m)
                     print(f"round {r} {name} c{lv}: {m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50']:.1f} ms", flush=True)
     print(f"\n{a.quantization} weights, {a.threads} threads, medians of {a.rounds} rounds\n")
-    print("| concurrency | " + " | ".join(f"{n}: tok/s, ITL p50 ms" for n in SETTINGS) + " | tok/s ratio |")
-    print("|---|" + "---|" * (len(SETTINGS) + 1))
+    print("| concurrency | " + " | ".join(f"{n}: tok/s, ITL p50 ms" for n in settings) + " | tok/s ratio |")
+    print("|---|" + "---|" * (len(settings) + 1))
     for lv in levels:
         med = {
-            n: {k: statistics.median(m[k] for m in results[(n, lv)]) for k in ("tok_s", "itl_p50")} for n in SETTINGS
+            n: {k: statistics.median(m[k] for m in results[(n, lv)]) for k in ("tok_s", "itl_p50")} for n in settings
         }
-        cells = [f"{med[n]['tok_s']:.1f}, {med[n]['itl_p50']:.1f}" for n in SETTINGS]
-        first, second = (med[n]["tok_s"] for n in SETTINGS)
+        cells = [f"{med[n]['tok_s']:.1f}, {med[n]['itl_p50']:.1f}" for n in settings]
+        first, second = (med[n]["tok_s"] for n in settings)
         print(f"| c{lv} | " + " | ".join(cells) + f" | {first / second:.2f}x |")
     return 0
 

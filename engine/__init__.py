@@ -11,9 +11,11 @@ import os as _os
 # regions: with passive waits (sleep at once) each one pays a futex wake-up, and a one-row step
 # took 1.8x as long (19.2 vs 10.6 ms, 4-bit SmolLM2, 2 threads); unbounded spinning starves other
 # processes sharing the cores. `python -m bench.bench_omp_wait` measures the three. A user's own
-# OMP_WAIT_POLICY wins. Read when libgomp loads: must precede the first torch import.
-if "OMP_WAIT_POLICY" not in _os.environ:
-    _os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT wins (USER_OMP_WAIT; served engines spin longer unless the
+# user chose: router/serve_tuning.py). Read when libgomp loads: must precede the first torch import.
+USER_OMP_WAIT = "OMP_WAIT_POLICY" in _os.environ or "GOMP_SPINCOUNT" in _os.environ
+if not USER_OMP_WAIT:
+    _os.environ["GOMP_SPINCOUNT"] = "2000"
 
 _EXPORTS = {
     "LLM": "engine.llm",

@@ -26,7 +26,7 @@ from router.config import AppConfig
 from router.controller.autoscaling_config import autoscaled
 from router.ingress.deployment import Ingress
 from router.replica.deployment import EngineReplica
-from router.serve_tuning import single_loop
+from router.serve_tuning import engine_omp_wait, single_loop
 
 if TYPE_CHECKING:
     from ray.serve import Application
@@ -148,7 +148,7 @@ def _engine_deployment(
         # a margin before it.
         drain = max(1.0, options["graceful_shutdown_timeout_s"] - DRAIN_MARGIN_S)
         pool = pool.model_copy(update={"drain_timeout_s": drain})
-    options["ray_actor_options"] = single_loop(options["ray_actor_options"])
+    options["ray_actor_options"] = engine_omp_wait(single_loop(options["ray_actor_options"]))
     app = EngineReplica.options(name=name, **options).bind(
         pool.engine_args(kv_role), pool.max_queued_requests_per_replica, cfg.stuck_step_timeout_s, **bind_kwargs
     )

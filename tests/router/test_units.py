@@ -192,6 +192,18 @@ def test_engine_deployment_options():
     assert required_cpus(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=0.5)) == 6.0
 
 
+def test_engine_omp_wait_leaves_the_users_choice(monkeypatch):
+    import router.serve_tuning as st
+
+    monkeypatch.setattr(st, "USER_OMP_WAIT", False)
+    got = st.engine_omp_wait({"num_cpus": 1, "runtime_env": {"env_vars": {"A": "1"}}})
+    assert got == {"num_cpus": 1, "runtime_env": {"env_vars": {"GOMP_SPINCOUNT": "200000", "A": "1"}}}
+    mine = {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}}
+    assert st.engine_omp_wait(mine) == mine  # the engine's runtime_env says how
+    monkeypatch.setattr(st, "USER_OMP_WAIT", True)  # the driver's environment said how
+    assert st.engine_omp_wait({"num_cpus": 1}) == {"num_cpus": 1}
+
+
 @pytest.mark.parametrize("config", ["serve.yaml", "serve-pd.yaml"])
 def test_serve_yaml_builds_the_app(config):
     """What `serve run deploy/<config>` does with import_path + args (no cluster needed)."""
