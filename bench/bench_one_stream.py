@@ -1,8 +1,10 @@
-"""One-stream offline decode (`LLM.generate`, 2 threads): ms per output token with a fast path on
-and off, each measure a fresh process, rounds alternating the two settings; medians.
+"""One-stream offline decode (`LLM.generate`, 2 threads unless `--threads`): ms per output token
+with a fast path on and off, each measure a fresh process, rounds alternating the two settings;
+medians.
 
     python -m bench.bench_one_stream --compare fused [--model-kwargs '{"quantization": "gguf"}']
     python -m bench.bench_one_stream --compare int4-op [--rounds 5] [--tokens 128]
+    python -m bench.bench_one_stream --compare fused --threads 1
 
 `fused`: the decoder layers in one C++ call (engine/model/fused_decode.py) against the layers run
 as modules (ORBITAL_FUSED_DECODE=0). `int4-op`, with the layers as modules both ways: the few-row
@@ -31,12 +33,12 @@ COMPARE = {
 PROMPT = "Write a short story about a robot who learns to paint. " * 4
 
 
-def child(tokens: int, kw: dict) -> float:
+def child(tokens: int, kw: dict, threads: int) -> float:
     import time
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(num_threads=2, **kw)
+    llm = LLM(num_threads=threads, **kw)
 
     def run(n: int) -> float:
         sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -56,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-kwargs", default='{"quantization": "gguf"}', help="LLM keywords as JSON")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=2)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps({"value": child(a.tokens, json.loads(a.model_kwargs))}))
+        print(json.dumps({"value": child(a.tokens, json.loads(a.model_kwargs), a.threads)}))
         return 0
     settings = COMPARE[a.compare]
     ours = {k for env in settings.values() for k in env}
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, env in settings.items():
             full = {k: v for k, v in os.environ.items() if k not in ours} | env
             cmd = [sys.executable, "-m", "bench.bench_one_stream", "--child", "--tokens", str(a.tokens)]
+            cmd += ["--threads", str(a.threads)]
             out = subprocess.run(cmd + ["--model-kwargs", a.model_kwargs], env=full, capture_output=True, text=True)
             if out.returncode:
                 raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r} {name}: {v:.2f} ms/token", flush=True)
     on, off = (statistics.median(results[n]) for n in settings)
     names = list(settings)
-    print(f"\nmodel {a.model_kwargs}, one stream, 2 threads, medians of {a.rounds} rounds")
+    print(f"\nmodel {a.model_kwargs}, one stream, {a.threads} threads, medians of {a.rounds} rounds")
     print(f"| {names[0]} | {names[1]} | speedup |\n|---|---|---|")
     print(f"| {on:.2f} ms/token | {off:.2f} ms/token | {off / on:.2f}x |")
     return 0
