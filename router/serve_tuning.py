@@ -13,7 +13,7 @@ ingress, the proxy). With the engine package's offline default (GOMP_SPINCOUNT=2
 engine/__init__.py) every such wake-up outlasts the spin, the thread waiting at the next barrier
 goes to sleep and each of a step's hundreds of parallel regions pays a futex wake-up: a 2-thread
 one-row GGUF step took 48 ms inside the replica on a 2-core AVX2 EPYC against 12.5 offline, 19.5
-with 200000 (~2 ms). Over HTTP at 4 and 8 streams that is 1.3x the tokens/s
+with 200000 (~2 ms). Over HTTP at 8 streams that is 1.34x the tokens/s, 1.05-1.23x at 4
 (`python -m bench.bench_spare_core --compare spin`). A user's OMP_WAIT_POLICY or GOMP_SPINCOUNT
 (the driver's environment or the engine's runtime_env) wins.
 """
