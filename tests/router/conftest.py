@@ -9,6 +9,8 @@ Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -77,4 +79,19 @@ def metrics(url: str, headers=None) -> dict[str, float]:
         for s in fam.samples:
             extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             out[s.name + (f"{{{extra}}}" if extra else "")] = s.value
+    return out
+
+
+def processes(title: str) -> dict[int, dict[str, str]]:
+    """Environment of each live process whose command line (Ray's process title) holds `title`."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if title in (d / "cmdline").read_bytes().decode(errors="replace"):
+                pairs = (e.split("=", 1) for e in (d / "environ").read_bytes().decode(errors="replace").split("\0"))
+                out[int(d.name)] = dict(p for p in pairs if len(p) == 2)
+        except OSError:  # gone meanwhile
+            continue
     return out

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.router.conftest import metrics
+from tests.router.conftest import metrics, processes
 
 pytestmark = pytest.mark.slow
 
@@ -270,23 +270,6 @@ def test_disconnects_leave_other_streams_alone(base_url):
     )
 
 
-def _processes(title: str) -> dict[int, dict[str, str]]:
-    """Environment of each live process whose command line (Ray's process title) holds `title`."""
-    from pathlib import Path
-
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            if title in (d / "cmdline").read_bytes().decode(errors="replace"):
-                pairs = (e.split("=", 1) for e in (d / "environ").read_bytes().decode(errors="replace").split("\0"))
-                out[int(d.name)] = dict(p for p in pairs if len(p) == 2)
-        except OSError:  # gone meanwhile
-            continue
-    return out
-
-
 def test_engine_replicas_spin_longer_than_the_offline_default(serve_cluster):
     """The engine replicas' OpenMP threads spin ~2 ms before sleeping (router/serve_tuning.py);
     this test's own process has the offline default, which the rest of Ray inherits."""
@@ -295,8 +278,8 @@ def test_engine_replicas_spin_longer_than_the_offline_default(serve_cluster):
 
     if USER_OMP_WAIT:
         pytest.skip("the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT: theirs wins")
-    engines = _processes("EngineReplica")
+    engines = processes("EngineReplica")
     assert len(engines) >= 3  # main's two replicas and strict's one
     assert all(env.get("GOMP_SPINCOUNT") == ENGINE_OMP_ENV["GOMP_SPINCOUNT"] for env in engines.values())
-    ingresses = _processes("Ingress")
+    ingresses = processes("Ingress")
     assert ingresses and all(env.get("GOMP_SPINCOUNT") == "2000" for env in ingresses.values())

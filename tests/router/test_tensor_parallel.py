@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.router.conftest import BASE
+from tests.router.conftest import BASE, processes
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +70,17 @@ def test_dead_rank_turns_health_503_and_the_replica_is_replaced(tp3_url):
     assert pids[1] not in _tp_worker_pids()
     body = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     assert httpx.post(f"{tp3_url}/v1/completions", json=body, timeout=300).status_code == 200
+
+
+def test_tensor_parallel_ranks_inherit_the_engines_spin(tp3_url):
+    """Ranks 1..tp-1 (TPWorker actors, started by the replica) inherit its runtime env, so every
+    rank's OpenMP threads spin as long (router/serve_tuning.py)."""
+    from engine import USER_OMP_WAIT
+    from router.serve_tuning import ENGINE_OMP_ENV
+
+    if USER_OMP_WAIT:
+        pytest.skip("the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT: theirs wins")
+    assert httpx.get(f"{tp3_url}/health", timeout=30).status_code == 200
+    ranks = processes("TPWorker")
+    assert len(ranks) >= 2
+    assert all(env.get("GOMP_SPINCOUNT") == ENGINE_OMP_ENV["GOMP_SPINCOUNT"] for env in ranks.values())
