@@ -14,7 +14,6 @@ and stop. Same client (`loadtest`), greedy, outputs capped at `--max-output`,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -28,21 +27,6 @@ COMPARE = {
     "spare": {"spare core (4)": ("--spare-core-max-tokens 4", {}), "no spare core": ("--spare-core-max-tokens 0", {})},
     "spin": {"spin 200000": ("", {}), "spin 2000": ("", {"GOMP_SPINCOUNT": "2000"})},
 }
-
-
-@contextlib.contextmanager
-def _environment(env: dict[str, str]):
-    """The server process inherits os.environ: `env` added for its start, then removed."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--dtype {a.dtype}{quant} {flags}"
             )
             url = f"http://127.0.0.1:{port}"
-            with _environment(env), ServerProcess(cmd, url, log_path="/tmp/bench_spare_core.log"):
+            with ServerProcess(cmd, url, log_path="/tmp/bench_spare_core.log", env=env):
                 measure(specs[:4], url, None)  # warm-up
                 for lv in levels:
                     m = measure(specs[:4] if lv == 1 else specs, url, lv)

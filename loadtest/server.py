@@ -30,15 +30,27 @@ class ServerProcess:
     """``with ServerProcess(cmd, root): ...`` runs ``cmd`` in its own process group, waits for it,
     and stops that group (SIGTERM, then SIGKILL) on exit. ``cmd=None`` only waits for ``root``."""
 
-    def __init__(self, cmd: str | None, root: str, timeout: float = 600.0, log_path: str | None = None):
-        self.cmd, self.root, self.timeout, self.log_path = cmd, root, timeout, log_path
+    def __init__(
+        self,
+        cmd: str | None,
+        root: str,
+        timeout: float = 600.0,
+        log_path: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        """`env`: variables added to this process's environment for the server."""
+        self.cmd, self.root, self.timeout, self.log_path, self.env = cmd, root, timeout, log_path, env
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
         if self.cmd:
             log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
             self.proc = subprocess.Popen(
-                shlex.split(self.cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                shlex.split(self.cmd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
             )
         try:
             wait_ready(self.root, self.timeout, self.proc)

@@ -34,20 +34,22 @@ def engine_omp_wait(actor_options: dict) -> dict:
     """The engine replica's `ray_actor_options` with ENGINE_OMP_ENV added, unless the user set how
     OpenMP threads wait (in this process's environment before `engine` was imported, which Ray
     passes on, or in the actor's runtime_env)."""
-    out = dict(actor_options)
-    runtime_env = dict(out.get("runtime_env") or {})
-    env = dict(runtime_env.get("env_vars") or {})
+    env = (actor_options.get("runtime_env") or {}).get("env_vars") or {}
     if USER_OMP_WAIT or any(k in env for k in _OMP_KEYS):
-        return out
-    runtime_env["env_vars"] = {**ENGINE_OMP_ENV, **env}
-    out["runtime_env"] = runtime_env
-    return out
+        return dict(actor_options)
+    return _with_env(actor_options, ENGINE_OMP_ENV)
 
 
 def single_loop(actor_options: dict) -> dict:
     """`ray_actor_options` with the switches added (env vars the caller set win)."""
+    return _with_env(actor_options, SINGLE_LOOP_ENV)
+
+
+def _with_env(actor_options: dict, defaults: dict[str, str]) -> dict:
+    """A copy of `ray_actor_options` whose runtime_env env_vars start from `defaults` (the
+    caller's own env vars win)."""
     out = dict(actor_options)
     runtime_env = dict(out.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**SINGLE_LOOP_ENV, **(runtime_env.get("env_vars") or {})}
+    runtime_env["env_vars"] = {**defaults, **(runtime_env.get("env_vars") or {})}
     out["runtime_env"] = runtime_env
     return out
