@@ -1,9 +1,10 @@
-"""Orbital's server with two settings of how its engine shares the cores, side by side over HTTP
-at concurrency 1 to 16: `--compare spare`, with and without a spare core for small steps
+"""Orbital's server with two settings of how it shares the cores, side by side over HTTP at
+concurrency 1 to 16: `--compare spare`, with and without a spare core for small steps
 (engine/step_threads.py); `--compare spin`, the served engine's OpenMP spin (GOMP_SPINCOUNT
-200000, router/serve_tuning.py) against the offline default of 2000.
+200000, router/serve_tuning.py) against the offline default of 2000; `--compare ingress`, the
+router replica serving HTTP itself (router/direct_ingress.py) against Serve's proxy relaying it.
 
-    python -m bench.bench_spare_core [--compare spare|spin] [--quantization gguf] [--rounds 2]
+    python -m bench.bench_spare_core [--compare spare|spin|ingress] [--quantization gguf] [--rounds 2]
 
 One `orbital serve` at a time on this machine (two Ray clusters would share the cores): per
 round, the server with the first setting and then with the second each start, run every level,
@@ -26,6 +27,7 @@ from loadtest.tokens import load_counter
 COMPARE = {
     "spare": {"spare core (4)": ("--spare-core-max-tokens 4", {}), "no spare core": ("--spare-core-max-tokens 0", {})},
     "spin": {"spin 200000": ("", {}), "spin 2000": ("", {"GOMP_SPINCOUNT": "2000"})},
+    "ingress": {"direct ingress": ("", {}), "serve proxy": ("--serve-proxy", {})},
 }
 
 

@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Ray cluster: 'local' starts one (default), 'auto' or host:port joins a running one",
     )
     s.add_argument(
+        "--serve-proxy",
+        action="store_true",
+        help="local cluster: relay HTTP through Serve's proxy actor instead of the router replica serving "
+        "the port itself (router/direct_ingress.py); a joined cluster (--address) always uses its proxies",
+    )
+    s.add_argument(
         "--max-queued-requests", type=int, default=_d("max_queued_requests"), help="per router replica; past it 429"
     )
     s.add_argument(
@@ -288,15 +294,23 @@ def serve_forever(a: argparse.Namespace) -> int:
     except (PermissionError, ValueError) as e:  # pydantic's ValidationError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
+    http_port = a.port
     if a.address == "local":  # a fresh local cluster, even if `ray start` left one running here
         from router.app import required_cpus
+        from router.direct_ingress import direct_ingress_env, port_free, spare_port
 
+        if not port_free(a.host, a.port):
+            print(f"error: {a.host}:{a.port} is in use (another server?); pick one with --port", file=sys.stderr)
+            return 2
+        if not a.serve_proxy:  # Ray reads these in the processes ray.init starts below
+            os.environ.update(direct_ingress_env(a.port))
+            http_port = spare_port(a.host)  # Serve's proxy, off the user's port
         num_cpus = max(a.num_cpus or os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False)
     else:
         ray.init(address=a.address, configure_logging=False)
     try:
-        serve.start(http_options={"host": a.host, "port": a.port})
+        serve.start(http_options={"host": a.host, "port": http_port})
         serve.run(build_app(cfg), name="orbital", route_prefix="/")
         url = f"http://{a.host}:{a.port}"
         names = ", ".join([p.model_name for p in cfg.pool_configs()] + [f"{k} -> {v}" for k, v in cfg.aliases.items()])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -25,3 +26,30 @@ def wait_healthy(url: str, headers=None, timeout: float = 180.0) -> None:
             last = e
         time.sleep(0.5)
     raise RuntimeError(f"{url} never became healthy: {last!r}")
+
+
+def listening_pid(port: int) -> int | None:
+    """The process holding a TCP socket that listens on `port` (read from /proc, as `ss -ltnp`
+    does), or None."""
+    from pathlib import Path
+
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for fd in (proc / "fd").iterdir():
+                if os.readlink(fd) in inodes:
+                    return int(proc.name)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return None

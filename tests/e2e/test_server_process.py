@@ -16,7 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.net import free_port
+from tests.net import free_port, listening_pid
+from tests.router.conftest import disconnect_frees_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +88,30 @@ def test_openai_client_against_the_server_process(server):
     out = client.completions.create(model=models[0], prompt="The capital of France is", max_tokens=8, temperature=0)
     assert out.choices[0].text.startswith(" Paris")
     assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
+
+
+def test_the_router_replica_serves_the_port_itself(server):
+    """No proxy between the client and the router on the local cluster `orbital serve` starts
+    (router/direct_ingress.py): the socket listening on the port is the Ingress replica's."""
+    pid = listening_pid(int(server.rsplit(":", 1)[1]))
+    assert pid is not None
+    title = open(f"/proc/{pid}/cmdline", "rb").read()
+    assert b"ServeReplica:orbital:Ingress" in title, title
+
+
+def test_streams_and_disconnects_through_the_router_replicas_own_server(server):
+    """Streaming and a client leaving mid-stream, with the router replica serving HTTP itself:
+    the request is aborted and its KV blocks return (Serve's proxy did that relay before)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    chunks = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=12, stream=True, temperature=0
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    disconnect_frees_blocks(server)
 
 
 def test_loadtest_short_run_writes_results_and_plots(server, tmp_path):

@@ -9,6 +9,7 @@ Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -95,3 +96,50 @@ def processes(title: str) -> dict[int, dict[str, str]]:
         except OSError:  # gone meanwhile
             continue
     return out
+
+
+def wait_until(pred, timeout=30.0, every=0.2):
+    """pred() once it is truthy, polled every `every` s; its last value after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(every)
+    return pred()
+
+
+def disconnect_frees_blocks(base_url: str) -> None:
+    """A streaming client leaves after 3 chunks: its request is aborted at once and every KV
+    block returns to the pool (read from /metrics)."""
+    before = metrics(base_url)
+    with httpx.Client(timeout=120) as c:
+        with c.stream(
+            "POST",
+            f"{base_url}/v1/completions",
+            json={
+                "prompt": "Write a very long essay about the sea.",
+                "max_tokens": 1000,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+            },
+        ) as s:
+            n = 0
+            for line in s.iter_lines():
+                n += line.startswith("data:")
+                if n >= 3:
+                    break
+    # The client is gone: the request is aborted and every KV block returns to the pool.
+    after = wait_until(
+        lambda: (m := metrics(base_url))["orbital:num_requests_running"] == 0
+        and m["orbital:kv_cache_usage_perc"] == 0.0
+        and m
+    )
+    assert after, metrics(base_url)
+    assert (
+        after["orbital:request_success_total{finished_reason=abort}"]
+        == before["orbital:request_success_total{finished_reason=abort}"] + 1
+    )
+    generated = after["orbital:generation_tokens_total"] - before["orbital:generation_tokens_total"]
+    assert generated < 200  # stopped long before max_tokens

@@ -48,3 +48,21 @@ def test_cli_refuses_a_public_bind_without_a_key():
         env=env,
     )
     assert r.returncode == 2 and "refusing to serve without an API key" in r.stderr, r.stderr
+
+
+def test_cli_refuses_a_port_in_use_before_starting_ray():
+    """The router replica binds the port itself (router/direct_ingress.py), deep inside Serve,
+    where a clash would only show as a replica retrying: the CLI checks first and says so."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "router.cli", "serve", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 2 and f"127.0.0.1:{port} is in use" in r.stderr, r.stderr
