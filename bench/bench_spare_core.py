@@ -9,7 +9,7 @@ router replica serving HTTP itself (router/direct_ingress.py) against Serve's pr
 One `orbital serve` at a time on this machine (two Ray clusters would share the cores): per
 round, the server with the first setting and then with the second each start, run every level,
 and stop. Same client (`loadtest`), greedy, outputs capped at `--max-output`,
-32 mixed requests (4 at concurrency 1). Medians over rounds, and the ratio spare / none.
+32 mixed requests (4 at concurrency 1). Medians over rounds, and the ratio first / second.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from loadtest.tokens import load_counter
 
 # name: (extra serve flags, environment); the first of each pair is the default.
 COMPARE = {
-    "spare": {"spare core (4)": ("--spare-core-max-tokens 4", {}), "no spare core": ("--spare-core-max-tokens 0", {})},
+    "spare": {"no spare core": ("--spare-core-max-tokens 0", {}), "spare core (4)": ("--spare-core-max-tokens 4", {})},
     "spin": {"spin 200000": ("", {}), "spin 2000": ("", {"GOMP_SPINCOUNT": "2000"})},
     "ingress": {"direct ingress": ("", {}), "serve proxy": ("--serve-proxy", {})},
 }

@@ -7,6 +7,11 @@ SmolLM2 on 2 AVX-512 cores takes 10.9 ms on 2 threads and 15.4 on 1 offline, but
 on 2 and 16.6 on 1 (c2 23.2 vs 19.3 ms; from 8 streams on, 2 threads win). vLLM's CPU backend
 reserves a core for its front end for the same reason; here only small steps give it up, so a
 loaded engine keeps every core.
+
+Off by default since served engines spin ~2 ms before their OpenMP threads sleep and `orbital
+serve` has no proxy hop (router/serve_tuning.py, router/direct_ingress.py): most of the 2-thread
+loss above was futex wake-ups after a 20 us spin, and every core for every step then won 1.14x at
+1 and 4 streams, 1.04x at 8 on a 2-core AVX2 EPYC (`python -m bench.bench_spare_core`).
 """
 
 from __future__ import annotations
