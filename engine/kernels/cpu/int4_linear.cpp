@@ -18,6 +18,7 @@
 #include <optional>
 #include <vector>
 #include "simd16.h"
+#include "work_queue.h"
 
 #if defined(ORBITAL_SIMD16)
 namespace {
@@ -252,23 +253,27 @@ static inline void rows_of_block(const Args<S>& a, const uint16_t* xb, int64_t b
 // Input rows in chunks of kChunk (the registers hold that many rows' accumulators), per block: a
 // block's bytes come from memory for the first chunk and from cache for the others. A row's
 // result does not depend on its chunk or on how many rows share the call.
+// Blocks are taken one at a time as threads free up (work_queue.h), not in equal shares: when
+// serving, the processes that stream tokens out preempt one OpenMP thread now and then, and with
+// equal shares the other then waited at the op's end for the preempted one's rest.
+struct NoState {};
+
 template <int B, typename S, typename X>
 void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bias, X* y, int64_t ys) {
   const int64_t blocks = (n + B - 1) / B;  // padding blocks past n are skipped
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk)
-      for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
-        Args<S> c = a;
-        c.xf += i0 * a.kw, c.xsum += i0 * a.groups;
-        const uint16_t* cx = xb != nullptr ? xb + i0 * a.kw : nullptr;
-        X* cy = y + i0 * ys;
-        switch (std::min<int64_t>(kChunk, m - i0)) {
-          case 1: rows_of_block<B, 1, S, X>(c, cx, blk, n, bias, cy, ys); break;
-          case 2: rows_of_block<B, 2, S, X>(c, cx, blk, n, bias, cy, ys); break;
-          case 3: rows_of_block<B, 3, S, X>(c, cx, blk, n, bias, cy, ys); break;
-          default: rows_of_block<B, 4, S, X>(c, cx, blk, n, bias, cy, ys); break;
-        }
+  parallel_dynamic<NoState>(blocks, [&](int64_t blk, NoState&) {
+    for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
+      Args<S> c = a;
+      c.xf += i0 * a.kw, c.xsum += i0 * a.groups;
+      const uint16_t* cx = xb != nullptr ? xb + i0 * a.kw : nullptr;
+      X* cy = y + i0 * ys;
+      switch (std::min<int64_t>(kChunk, m - i0)) {
+        case 1: rows_of_block<B, 1, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        case 2: rows_of_block<B, 2, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        case 3: rows_of_block<B, 3, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        default: rows_of_block<B, 4, S, X>(c, cx, blk, n, bias, cy, ys); break;
       }
+    }
   });
 }
 
