@@ -5,7 +5,8 @@ switches).
 Why: through the proxy every streamed chunk is one more Ray message (router -> proxy actor), its
 serialization on both ends and a wake-up of a third process. On a 2-core AVX2 EPYC at one stream
 that relay cost ~2.4 ms of CPU per token (the proxy 1.7 ms, the router's send 0.9 ms) next to a
-~12.5 ms step, and the inter-token latency fell 21.3 -> 18.9 ms without it.
+~12.5 ms step; 8 streams got 1.10x the tokens/s without it (`python -m bench.bench_spare_core
+--compare ingress`), and the saved CPU is what let every step use both cores (engine/step_threads.py).
 
 Used by `orbital serve` on the local cluster it starts (one router replica, one node): Serve
 then binds the router replica itself to the user's port. Serve still starts its proxy on the
