@@ -23,17 +23,9 @@ import time
 import httpx
 
 from bench.bench_llamacpp import BUILD_HINT, free_port
+from bench.bench_routing import text as prompt  # random words: a fresh prompt each call
 from loadtest.server import ServerProcess
 from loadtest.tokens import embedded_gguf_path
-
-WORDS = (
-    "the of and to in is was for on that with as by at from his her it an were are which this be or had not but "
-    "river stone market winter letter garden engine window silver morning"
-).split()
-
-
-def prompt(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 import httpx
 
@@ -31,8 +32,6 @@ def wait_healthy(url: str, headers=None, timeout: float = 180.0) -> None:
 def listening_pid(port: int) -> int | None:
     """The process holding a TCP socket that listens on `port` (read from /proc, as `ss -ltnp`
     does), or None."""
-    from pathlib import Path
-
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
