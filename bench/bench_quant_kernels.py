@@ -26,6 +26,7 @@ from engine.layers.quant.int4 import (
     pack_int4,
     pack_layout,
     quantize_int4,
+    scale_planes,
     unpack_nibbles,
 )
 from engine.layers.quant.int8 import int8_linear, quantize_int8
@@ -119,7 +120,7 @@ def widened_linear(ops, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor |
 def f16_scales(w: torch.Tensor) -> torch.Tensor:
     """The same int4 weight with float16 scales and mins (as a GGUF's), which it then stores so."""
     n = w.out_features
-    scale, minimum = (t.t()[:n].half().float() for t in w.scale_min)
+    scale, minimum = (t.t()[:n].half().float() for t in scale_planes(w.scale_min))
     return pack_int4(unpack_nibbles(w.data)[:n], scale, minimum, w.group_size)
 
 

@@ -18,8 +18,8 @@ from engine.layers.quant import is_quantized
 from engine.model.gguf_convert import cache_root
 
 # Bump when what a quantization produces changes (3: CPU int4's scale_min; 6: int8 as two
-# nibbles, bf16 scales; 7: two nibbles on the 32-row (AVX2) pack too).
-FORMAT = 7
+# nibbles, bf16 scales; 7: two nibbles on the 32-row (AVX2) pack too; 8: scale_min blocked by 64 rows).
+FORMAT = 8
 _ATTRS = (
     "scale",
     "scale_bf16",

@@ -17,6 +17,7 @@ from engine.layers.quant.int4 import (
     pack_int4,
     pack_layout,
     quantize_int4,
+    scale_planes,
     small_rows,
     unpack_nibbles,
     wide_gemm_ops,
@@ -101,7 +102,7 @@ def test_exact_widening_is_q_times_scale_plus_min(ops, n, k, group, block_rows, 
     if not ops.int4_dequantize(w, w.scale_min, group, block_rows, out):
         assert not vector(ops) and (out == 0).all()
         return
-    s, mn = (t.t().double().repeat_interleave(group, dim=1)[:n] for t in w.scale_min)
+    s, mn = (t.t().double().repeat_interleave(group, dim=1)[:n] for t in scale_planes(w.scale_min))
     prod, ref = q[:n].double() * s, q[:n].double() * s + mn
     bound = 2.0**-24 * (prod.abs() + mn.abs())  # one float32 rounding of the exact sum
     assert ((out.t().double() - ref).abs() <= bound).all()

@@ -24,6 +24,7 @@ from engine.layers.quant.int4 import (
     pack_int4,
     pack_layout,
     quantize_int4,
+    scale_planes,
     small_linear_ops,
     small_rows,
     unpack_nibbles,
@@ -56,7 +57,7 @@ def with_f16_scales(w):
     """The same weight with its scales and mins rounded to float16 (as GGUF's are): stored so."""
     n = w.out_features
     q = unpack_nibbles(w.data)[:n]
-    scale, minimum = (t.t()[:n].half().float() for t in w.scale_min)
+    scale, minimum = (t.t()[:n].half().float() for t in scale_planes(w.scale_min))
     return pack_int4(q, scale, minimum, w.group_size)
 
 

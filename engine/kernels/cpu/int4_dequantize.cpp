@@ -20,9 +20,10 @@ namespace {
 using simd::F16;
 
 // S: c10::BFloat16 for PyTorch's (scale, zero) pairs [groups, np, 2]; float or at::Half for the
-// exact scale and min planes [2, groups, np].
+// exact scales and mins blocked by 64 rows [np / 64, groups, 2, 64] (as int4_linear.cpp reads them).
 template <typename S>
 constexpr bool kPairs = std::is_same_v<S, c10::BFloat16>;
+constexpr int64_t kScaleRows = 64;
 
 // The scales and zeros (pairs) or scales and mins (planes) of rows [n0, n0 + B) in group g.
 template <int B, typename S>
@@ -31,10 +32,13 @@ static inline void group_scales(const S* sz, int64_t groups, int64_t g, int64_t 
     const int64_t n = n0 + 16 * v;
     if constexpr (kPairs<S>) {
       simd::from_bf16_pairs(sz + (g * np + n) * 2, sc[v], z[v]);
-    } else if constexpr (std::is_same_v<S, float>) {
-      sc[v] = simd::loadu(sz + g * np + n), z[v] = simd::loadu(sz + (groups + g) * np + n);
     } else {
-      sc[v] = simd::from_f16(sz + g * np + n), z[v] = simd::from_f16(sz + (groups + g) * np + n);
+      const S* p = sz + ((n / kScaleRows) * groups + g) * 2 * kScaleRows + n % kScaleRows;
+      if constexpr (std::is_same_v<S, float>) {
+        sc[v] = simd::loadu(p), z[v] = simd::loadu(p + kScaleRows);
+      } else {
+        sc[v] = simd::from_f16(p), z[v] = simd::from_f16(p + kScaleRows);
+      }
     }
   }
 }
@@ -96,21 +100,23 @@ void widen(const uint8_t* w, const S* sz, int64_t kw, int64_t k, int64_t gs, int
 #endif
 
 // packed uint8 [np, kw / 2] in the int4pack layout with `block_rows` (64 or 32) rows per block;
-// scales: PyTorch's bf16 (scale, zero) pairs [kw / group_size, np, 2], or the exact scale and min
-// planes [2, kw / group_size, np] in float32 or float16; out bf16 or float32 [k, n] (n <= np;
+// scales: PyTorch's bf16 (scale, zero) pairs [kw / group_size, np, 2], or the exact scales and
+// mins [np / 64, kw / group_size, 2, 64] in float32 or float16; out bf16 or float32 [k, n] (n <= np;
 // kw = k, or 2k for a two-nibble weight). False (nothing written) where it does not apply.
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,
                      torch::Tensor out) {
 #if defined(ORBITAL_SIMD16)
-  if (packed.dim() != 2 || scales.dim() != 3 || out.dim() != 2 || !packed.device().is_cpu()) return false;
+  if (packed.dim() != 2 || out.dim() != 2 || !packed.device().is_cpu()) return false;
   const int64_t np = packed.size(0), kw = packed.size(1) * 2, k = out.size(0), n = out.size(1);
   if (packed.scalar_type() != at::kByte || !packed.is_contiguous() || (block_rows != 64 && block_rows != 32) ||
       np % block_rows || n > np || (kw != k && kw != 2 * k) || group_size < 1 || kw % group_size || k % group_size)
     return false;
   const auto st = scales.scalar_type();
   const bool pairs = st == at::kBFloat16;
-  const auto want = pairs ? std::vector<int64_t>{kw / group_size, np, 2} : std::vector<int64_t>{2, kw / group_size, np};
-  if ((!pairs && st != at::kFloat && st != at::kHalf) || !scales.is_contiguous() || scales.sizes() != at::IntArrayRef(want))
+  const auto want = pairs ? std::vector<int64_t>{kw / group_size, np, 2}
+                          : std::vector<int64_t>{np / kScaleRows, kw / group_size, 2, kScaleRows};
+  if ((!pairs && (np % kScaleRows || (st != at::kFloat && st != at::kHalf))) || !scales.is_contiguous() ||
+      scales.sizes() != at::IntArrayRef(want))
     return false;
   if ((out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) || !out.is_contiguous()) return false;
   const auto* w = packed.data_ptr<uint8_t>();

@@ -33,18 +33,27 @@ constexpr int kSub = simd::kRegs >= 32 ? 2 : 1;
 constexpr int kPassRows = simd::kRegs >= 32 ? 4 : 2;
 constexpr int64_t kAhead = 1024;  // bytes of the weight stream prefetched ahead (measured: 1-2 KiB)
 
-// S: float or at::Half, scale and min planes [2, groups, np]; c10::BFloat16: PyTorch's kernel's
-// (scale, zero) pairs [groups, np, 2] with w = (q - 8) * scale + zero, i.e. min = zero - 8 scale.
+// S: float or at::Half, scales and mins blocked by 64 rows [np / 64, groups, 2, 64] (int4.py
+// kScaleRows); c10::BFloat16: PyTorch's kernel's (scale, zero) pairs [groups, np, 2] with
+// w = (q - 8) * scale + zero, i.e. min = zero - 8 scale.
 template <typename S>
 constexpr bool kPairs = std::is_same_v<S, c10::BFloat16>;
+constexpr int64_t kScaleRows = 64;
+
+// Where row n's scale in group g is (its min is kScaleRows further). A block's scales for every
+// group lie together: planes [2, groups, np] put each group's on another page (98 KB apart for a
+// 49152-row head) and a one-row step spent ~20% of its time waiting on them.
+template <typename S>
+static inline const S* planes_at(const S* sm, int64_t groups, int64_t g, int64_t n) {
+  return sm + ((n / kScaleRows) * groups + g) * 2 * kScaleRows + n % kScaleRows;
+}
 
 template <typename S>
 struct Args {
   const float* xf;    // [m, kw] activations as float32 (x twice over for a two-nibble weight)
   const float* xsum;  // [m, groups]: sums of xf over each group
   const uint8_t* w;   // packed [np / B, kw, B / 2]
-  const S* scale;     // [groups, np] (pairs: [groups, np, 2])
-  const S* minimum;   // [groups, np] (pairs: unused)
+  const S* scale;     // blocked planes (pairs: [groups, np, 2])
   int64_t kw, groups, gs, np;
 };
 
@@ -56,24 +65,22 @@ static inline void load_scales(const Args<S>& a, int64_t g, int64_t n, F16& sc, 
     simd::from_bf16_pairs(a.scale + (g * a.np + n) * 2, sc, z);
     mn = simd::fnmadd(simd::set1(8.f), sc, z);
   } else if constexpr (std::is_same_v<S, float>) {
-    sc = simd::loadu(a.scale + g * a.np + n), mn = simd::loadu(a.minimum + g * a.np + n);
+    const S* p = planes_at(a.scale, a.groups, g, n);
+    sc = simd::loadu(p), mn = simd::loadu(p + kScaleRows);
   } else {
-    sc = simd::from_f16(a.scale + g * a.np + n), mn = simd::from_f16(a.minimum + g * a.np + n);
+    const S* p = planes_at(a.scale, a.groups, g, n);
+    sc = simd::from_f16(p), mn = simd::from_f16(p + kScaleRows);
   }
 }
 
-// The scales of 64 rows from n0 in group g: strided by N, not streamed in order, so asked ahead.
+// PyTorch's pairs of 64 rows from n0 in group g: strided by N, not streamed in order, so asked
+// ahead (the blocked planes lie in order).
 template <typename S>
 static inline void prefetch_scales(const Args<S>& a, int64_t g, int64_t n0) {
-  if (g >= a.groups) return;
   if constexpr (kPairs<S>) {
+    if (g >= a.groups) return;
     const char* p = reinterpret_cast<const char*>(a.scale + (g * a.np + n0) * 2);
     for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-  } else {
-    for (const S* t : {a.scale, a.minimum}) {
-      const char* p = reinterpret_cast<const char*>(t + g * a.np + n0);
-      for (int l = 0; l < 64 * static_cast<int>(sizeof(S)); l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
-    }
   }
 }
 
@@ -178,7 +185,8 @@ static inline void load_scales_dp(const Args<S>& a, int64_t g, int64_t n, __m512
         return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
       }
     };
-    sc = rows(a.scale + g * a.np + n), mn = rows(a.minimum + g * a.np + n);
+    const S* p = planes_at(a.scale, a.groups, g, n);
+    sc = rows(p), mn = rows(p + kScaleRows);
   }
 }
 
@@ -253,15 +261,18 @@ static inline void rows_of_block(const Args<S>& a, const uint16_t* xb, int64_t b
 // Input rows in chunks of kChunk (the registers hold that many rows' accumulators), per block: a
 // block's bytes come from memory for the first chunk and from cache for the others. A row's
 // result does not depend on its chunk or on how many rows share the call.
-// Blocks are taken one at a time as threads free up (work_queue.h), not in equal shares: when
-// serving, the processes that stream tokens out preempt one OpenMP thread now and then, and with
-// equal shares the other then waited at the op's end for the preempted one's rest.
+// Each thread streams its own run of blocks in order (the weight prefetch runs on into its next
+// block), and one that finishes early takes blocks from the end of another's run (work_queue.h):
+// when serving, the processes that stream tokens out preempt one OpenMP thread now and then, and
+// with fixed shares the other then waited at the op's end for the preempted one's rest. Blocks
+// handed out one at a time in turn (before) cost a one-row step ~10%: each thread's next block
+// started cold.
 struct NoState {};
 
 template <int B, typename S, typename X>
 void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bias, X* y, int64_t ys) {
   const int64_t blocks = (n + B - 1) / B;  // padding blocks past n are skipped
-  parallel_dynamic<NoState>(blocks, [&](int64_t blk, NoState&) {
+  parallel_runs<NoState>(blocks, [&](int64_t blk, NoState&) {
     for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
       Args<S> c = a;
       c.xf += i0 * a.kw, c.xsum += i0 * a.groups;
@@ -314,8 +325,7 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 #endif
   const uint16_t* xbp = xb.empty() ? nullptr : xb.data();
   const S* sm = scale_min.data_ptr<S>();
-  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kPairs<S> ? nullptr : sm + groups * np,
-                  kw, groups, gs, np};
+  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np};
   const X* bp = bias ? bias->data_ptr<X>() : nullptr;
   X* y = out.data_ptr<X>();
   const int64_t n = out.size(1), ys = out.stride(0);
@@ -334,14 +344,15 @@ bool is_f32_or_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kFlo
 
 // x [m, k] (float32 or bfloat16, rows contiguous); packed uint8 [np, kw / 2] in the int4pack layout
 // with `block_rows` (64 or 32) rows per block, kw = k, or 2k for a two-nibble weight (x is read
-// twice over); scale_min [2, kw / group_size, np] (scale, min; float32 or float16: w = q * s + min)
+// twice over); scale_min [np / 64, kw / group_size, 2, 64] (scale, min of 64 rows; float32 or
+// float16: w = q * s + min)
 // or PyTorch's kernel's bfloat16 [kw / group_size, np, 2] (scale, zero: w = (q - 8) * s + zero);
 // bias [n] in x's dtype or None; out [m, n] in x's dtype, n <= np. False (nothing written) where it
 // does not apply.
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
                        int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out) {
 #if defined(ORBITAL_SIMD16)
-  if (!x.device().is_cpu() || x.dim() != 2 || packed.dim() != 2 || scale_min.dim() != 3 || out.dim() != 2) return false;
+  if (!x.device().is_cpu() || x.dim() != 2 || packed.dim() != 2 || out.dim() != 2) return false;
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), kw = packed.size(1) * 2, n = out.size(1);
   if (m < 1 || m > kMaxRows || !is_f32_or_bf16(x) || x.stride(1) != 1 || packed.scalar_type() != at::kByte ||
       !packed.is_contiguous() || (block_rows != 64 && block_rows != 32) || np % block_rows || (kw != k && kw != 2 * k) ||
@@ -349,8 +360,9 @@ bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scal
     return false;
   const auto st = scale_min.scalar_type();
   const bool pairs = st == at::kBFloat16;
-  const std::vector<int64_t> want = pairs ? std::vector<int64_t>{kw / group_size, np, 2} : std::vector<int64_t>{2, kw / group_size, np};
-  if (scale_min.sizes() != at::IntArrayRef(want) || !scale_min.is_contiguous() ||
+  const std::vector<int64_t> want = pairs ? std::vector<int64_t>{kw / group_size, np, 2}
+                                           : std::vector<int64_t>{np / kScaleRows, kw / group_size, 2, kScaleRows};
+  if ((!pairs && np % kScaleRows) || scale_min.sizes() != at::IntArrayRef(want) || !scale_min.is_contiguous() ||
       (st != at::kFloat && st != at::kHalf && !pairs))
     return false;
   if (out.size(0) != m || n > np || out.stride(1) != 1 || out.scalar_type() != x.scalar_type()) return false;

@@ -26,7 +26,9 @@ the op has no vector path.
 
 An LM head's logits go through the op at every row count (int4_logits): it keeps float32 sums.
 ORBITAL_INT4_SMALL_LINEAR=0 turns the op off. `.scale_min` holds the exact scales and mins
-(float16 where that holds them exactly, as it does GGUF's) for dequantizing and exact mode.
+(float16 where that holds them exactly, as it does GGUF's) for dequantizing and exact mode,
+blocked by 64 rows ([N / 64, K'/g, 2, 64]): the op streams a block's bytes and then its scales
+lie beside each other instead of one group's per page (block_scales; scale_planes undoes it).
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ SMALL_ROWS = 16  # rows up to which int4_small_linear runs where the CPU has no 
 # 136 ms with the widening, 64: 208 vs 463; `python -m bench.bench_quant_kernels`).
 EXACT_ROWS = 64
 WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
+SCALE_ROWS = 64  # rows per block of `.scale_min` (the C++ ops' kScaleRows)
 
 
 def pack_int4(
     q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int, split: bool = False
 ) -> nn.Parameter:
     """q: [N, K'] integers 0..15; scale, minimum: float [N, K' / group_size]. Returns the
-    kernel's parameter: packed uint8 [N, K' / 2] with `.scale_min` ([2, K'/g, N]: the groups'
-    scales and mins), `.scales_zeros_bf16` (PyTorch's kernel's), `.group_size` and `.two_nibbles`
+    kernel's parameter: packed uint8 [N, K' / 2] with `.scale_min` (the groups' scales and mins,
+    block_scales of [2, K'/g, N]), `.scales_zeros_bf16` (PyTorch's kernel's), `.group_size` and `.two_nibbles`
     (K' = 2 * in_features: the two nibbles of 8-bit values)."""
     n, k = q.shape
     if k % group_size:
@@ -64,11 +67,29 @@ def pack_int4(
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     param = nn.Parameter(packed, requires_grad=False)
     scale, minimum = scale.float(), minimum.float()
-    param.scale_min = _compact(torch.stack([scale.t(), minimum.t()]).contiguous())
+    param.scale_min = _compact(block_scales(torch.stack([scale.t(), minimum.t()])))
     zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1)  # the kernel's (q - 8) * s + z
     param.scales_zeros_bf16 = zeros.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
     return param
+
+
+def block_scales(planes: torch.Tensor) -> torch.Tensor:
+    """[2, G, N] scale and min planes (N a multiple of SCALE_ROWS) -> [N / 64, G, 2, 64]: per
+    block of 64 rows, per group, its 64 scales then its 64 mins."""
+    two, g, n = planes.shape
+    return planes.reshape(two, g, n // SCALE_ROWS, SCALE_ROWS).permute(2, 1, 0, 3).contiguous()
+
+
+def scale_planes(scale_min: torch.Tensor) -> torch.Tensor:
+    """A weight's blocked `.scale_min` -> the [2, G, N] scale and min planes."""
+    blocks, g, two, rows = scale_min.shape
+    return scale_min.permute(2, 1, 0, 3).reshape(two, g, blocks * rows)
+
+
+def row_scales(scale_min: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The [2, G, len(rows)] scales and mins of some rows of a blocked `.scale_min`."""
+    return scale_min[rows // SCALE_ROWS, :, :, rows % SCALE_ROWS].permute(2, 1, 0)
 
 
 def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +173,7 @@ def dequantize_groups(
 
 
 def dequantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    w = dequantize_packed(weight.data, weight.scale_min, weight.group_size, weight.two_nibbles, dtype)
+    w = dequantize_packed(weight.data, scale_planes(weight.scale_min), weight.group_size, weight.two_nibbles, dtype)
     return w[: weight.out_features]
 
 
@@ -170,7 +191,7 @@ def embedding_int4(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) 
         col, high = inside // 2, inside % 2 == 1
     b = packs[(flat // block)[:, None], torch.arange(2 * half)[None, :], col[:, None]]  # [T, k]
     q = torch.where(high[:, None], b >> 4, b & 15)
-    w = dequantize_groups(q, weight.scale_min[:, :, flat], weight.group_size, weight.two_nibbles, dtype)
+    w = dequantize_groups(q, row_scales(weight.scale_min, flat), weight.group_size, weight.two_nibbles, dtype)
     return w.reshape(*ids.shape, w.shape[-1])
 
 
