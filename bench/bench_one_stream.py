@@ -5,11 +5,14 @@ medians.
     python -m bench.bench_one_stream --compare fused [--model-kwargs '{"quantization": "gguf"}']
     python -m bench.bench_one_stream --compare int4-op [--rounds 5] [--tokens 128]
     python -m bench.bench_one_stream --compare fused --threads 1
+    python -m bench.bench_one_stream --against /path/to/another/checkout   # e.g. `git worktree add`
+
 
 `fused`: the decoder layers in one C++ call (engine/model/fused_decode.py) against the layers run
 as modules (ORBITAL_FUSED_DECODE=0). `int4-op`, with the layers as modules both ways: the few-row
 C++ int4 op (int4_linear.cpp) against PyTorch's `_weight_int4pack_mm_for_cpu` at every row count
-(ORBITAL_INT4_SMALL_LINEAR=0).
+(ORBITAL_INT4_SMALL_LINEAR=0). `--against DIR`: this checkout against the one in DIR (a kernel
+change that no switch turns off; each builds its own C++ ops on first use), default settings both.
 Decode alone: a request of 1 + N output tokens minus one of 1 token (the prompt's prefill), over N.
 """
 
@@ -21,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 # Two settings each (environment over the caller's); int4-op runs the layers as modules both ways.
 COMPARE = {
@@ -59,20 +63,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--against", help="another checkout's folder: compare this one against it")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
         print(json.dumps({"value": child(a.tokens, json.loads(a.model_kwargs), a.threads)}))
         return 0
     settings = COMPARE[a.compare]
+    here = str(Path(__file__).resolve().parents[1])
+    folders = dict.fromkeys(settings, here)
+    if a.against:  # python -m runs the bench module of the folder it starts in
+        settings, folders = {"this": {}, "other": {}}, {"this": here, "other": str(Path(a.against).resolve())}
     ours = {k for env in settings.values() for k in env}
     results: dict[str, list[float]] = {name: [] for name in settings}
     for r in range(a.rounds):
         for name, env in settings.items():
             full = {k: v for k, v in os.environ.items() if k not in ours} | env
+            if a.against:
+                full["PYTHONPATH"] = folders[name]
             cmd = [sys.executable, "-m", "bench.bench_one_stream", "--child", "--tokens", str(a.tokens)]
             cmd += ["--threads", str(a.threads)]
-            out = subprocess.run(cmd + ["--model-kwargs", a.model_kwargs], env=full, capture_output=True, text=True)
+            out = subprocess.run(
+                cmd + ["--model-kwargs", a.model_kwargs], env=full, cwd=folders[name], capture_output=True, text=True
+            )
             if out.returncode:
                 raise RuntimeError(f"child failed: {out.stderr[-2000:]}")
             v = json.loads(out.stdout.strip().splitlines()[-1])["value"]
