@@ -7,7 +7,6 @@ medians.
     python -m bench.bench_one_stream --compare fused --threads 1
     python -m bench.bench_one_stream --against /path/to/another/checkout   # e.g. `git worktree add`
 
-
 `fused`: the decoder layers in one C++ call (engine/model/fused_decode.py) against the layers run
 as modules (ORBITAL_FUSED_DECODE=0). `int4-op`, with the layers as modules both ways: the few-row
 C++ int4 op (int4_linear.cpp) against PyTorch's `_weight_int4pack_mm_for_cpu` at every row count

@@ -12,6 +12,7 @@
 // sums its halves first.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "int4_scales.h"
 #include "simd16.h"
 
 #if defined(ORBITAL_SIMD16)
@@ -20,10 +21,9 @@ namespace {
 using simd::F16;
 
 // S: c10::BFloat16 for PyTorch's (scale, zero) pairs [groups, np, 2]; float or at::Half for the
-// exact scales and mins blocked by 64 rows [np / 64, groups, 2, 64] (as int4_linear.cpp reads them).
+// exact scales and mins blocked by 64 rows (int4_scales.h).
 template <typename S>
 constexpr bool kPairs = std::is_same_v<S, c10::BFloat16>;
-constexpr int64_t kScaleRows = 64;
 
 // The scales and zeros (pairs) or scales and mins (planes) of rows [n0, n0 + B) in group g.
 template <int B, typename S>
@@ -33,7 +33,7 @@ static inline void group_scales(const S* sz, int64_t groups, int64_t g, int64_t 
     if constexpr (kPairs<S>) {
       simd::from_bf16_pairs(sz + (g * np + n) * 2, sc[v], z[v]);
     } else {
-      const S* p = sz + ((n / kScaleRows) * groups + g) * 2 * kScaleRows + n % kScaleRows;
+      const S* p = planes_at(sz, groups, g, n);
       if constexpr (std::is_same_v<S, float>) {
         sc[v] = simd::loadu(p), z[v] = simd::loadu(p + kScaleRows);
       } else {

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+#include "int4_scales.h"
 #include "simd16.h"
 #include "work_queue.h"
 
@@ -33,20 +34,10 @@ constexpr int kSub = simd::kRegs >= 32 ? 2 : 1;
 constexpr int kPassRows = simd::kRegs >= 32 ? 4 : 2;
 constexpr int64_t kAhead = 1024;  // bytes of the weight stream prefetched ahead (measured: 1-2 KiB)
 
-// S: float or at::Half, scales and mins blocked by 64 rows [np / 64, groups, 2, 64] (int4.py
-// kScaleRows); c10::BFloat16: PyTorch's kernel's (scale, zero) pairs [groups, np, 2] with
+// S: float or at::Half, scales and mins blocked by 64 rows (int4_scales.h); c10::BFloat16: PyTorch's kernel's (scale, zero) pairs [groups, np, 2] with
 // w = (q - 8) * scale + zero, i.e. min = zero - 8 scale.
 template <typename S>
 constexpr bool kPairs = std::is_same_v<S, c10::BFloat16>;
-constexpr int64_t kScaleRows = 64;
-
-// Where row n's scale in group g is (its min is kScaleRows further). A block's scales for every
-// group lie together: planes [2, groups, np] put each group's on another page (98 KB apart for a
-// 49152-row head) and a one-row step spent ~20% of its time waiting on them.
-template <typename S>
-static inline const S* planes_at(const S* sm, int64_t groups, int64_t g, int64_t n) {
-  return sm + ((n / kScaleRows) * groups + g) * 2 * kScaleRows + n % kScaleRows;
-}
 
 template <typename S>
 struct Args {
