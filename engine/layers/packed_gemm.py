@@ -16,6 +16,12 @@ float32, 44 ms against 22 ms for the C++ `small_linear` op reading the plain wei
 (`python -m bench.bench_packed_gemm`). So where that op has a vector path each packed weight keeps
 its plain tensor too (`.plain`; twice the weight memory, none for a tied LM head, whose plain
 weight is the embedding) and rows <= SMALL_ROWS go through it. ORBITAL_SMALL_LINEAR=0 turns it off.
+
+A bfloat16 weight on a CPU without bf16 dot products (AVX2, AVX-512 without BF16) is not packed,
+and PyTorch's bf16 GEMM is emulated there: over a SmolLM2 step's linears on a 2-core AVX2 EPYC,
+130 ms at 8 rows and 480 at 32 against the op's ~30 and ~120. So such a weight takes the op at
+every row count, OP_ROWS rows per call (small_rows): float32 sums of the bf16 weights widened on
+load, each row's result the same whatever rows share its call.
 """
 
 from __future__ import annotations
@@ -40,6 +46,20 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 SMALL_ROWS = 4
+OP_ROWS = 64  # rows per call of the op (its own limit)
+
+
+@functools.cache
+def bf16_gemm_native() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def small_rows(weight: torch.Tensor) -> int | None:
+    """Rows up to which `linear` runs the few-row op on this weight; None: at every row count (a
+    plain bf16 weight where PyTorch's bf16 GEMM is emulated)."""
+    if weight.dtype == torch.bfloat16 and not weight.is_mkldnn and not bf16_gemm_native():
+        return None
+    return SMALL_ROWS
 
 
 def small_linear_ops() -> ModuleType | None:
@@ -76,7 +96,8 @@ def row_bucket(m: int) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or the packed oneDNN GEMM when `weight` was packed by `pack_weight`; the
-    few-row C++ op at up to SMALL_ROWS rows (CPU); an int8 or int4 weight's own kernel (quant/;
+    few-row C++ op at up to SMALL_ROWS rows (CPU), at every row count for a weight small_rows()
+    says so of; an int8 or int4 weight's own kernel (quant/;
     int32: the CUDA int4 pack)."""
     if weight.dtype == torch.int8:
         from engine.layers.quant.int8 import int8_linear
@@ -102,6 +123,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y = x2.new_empty(m, plain.shape[0])
             if ops.small_linear(x2, plain, bias, y):
                 return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
+    elif m > SMALL_ROWS and x2.is_cpu and small_rows(weight) is None and (ops := small_linear_ops()) is not None:
+        y = x2.new_empty(m, weight.shape[0])
+        if all(ops.small_linear(x2[i : i + OP_ROWS], weight, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS)):
+            return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     mb = row_bucket(m)

@@ -7,9 +7,10 @@ runs the very ops the layers call, in the same order on the same values, so its 
 bit-identical (tests/engine/test_fused_decode.py). It applies where every layer would take the
 C++ path anyway: CPU, tensor parallel size 1, the `cpu_paged` attention backend with a cache in
 the model's dtype or int8, the few-row linear op for every weight (float, or PyTorch's int4
-pack), and a step of decode tokens only, no more than every linear's few-row op takes (4 rows for
-float weights, packed_gemm.SMALL_ROWS; 63 or 16 for int4 ones, quant/int4.small_rows()). Anything else runs
-the layers as modules. `ORBITAL_FUSED_DECODE=0` turns it off.
+pack), and a step of decode tokens only, no more than every linear's few-row op takes (float
+weights: packed_gemm.small_rows(), 4 rows, or 64 for bf16 ones where the bf16 GEMM is emulated;
+int4 ones: quant/int4.small_rows()). Anything else runs the layers as modules.
+`ORBITAL_FUSED_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from engine.forward_context import get_attn_metadata
 from engine.layers.attention.cpu_paged import CpuPagedAttentionBackend
-from engine.layers.packed_gemm import SMALL_ROWS, _vector_ops, small_linear_ops
+from engine.layers.packed_gemm import OP_ROWS, _vector_ops, small_linear_ops, small_rows
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaModel
@@ -47,11 +48,15 @@ def _linear_parts(module: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
     return parts if ok else None
 
 
-def _few_rows(int4_scales: torch.Tensor | None) -> int:
-    """Rows up to which the module runs its few-row op: int4 weights' limit or float ones'."""
+def _few_rows(weight: torch.Tensor, int4_scales: torch.Tensor | None) -> int:
+    """Rows up to which the module runs its few-row op: int4 weights' limit or float ones' (all,
+    OP_ROWS per call, for a bf16 weight where the bf16 GEMM is emulated; one call here)."""
     from engine.layers.quant import int4
 
-    return int4.small_rows() if int4_scales is not None else SMALL_ROWS
+    if int4_scales is not None:
+        return int4.small_rows()
+    rows = small_rows(weight)
+    return OP_ROWS if rows is None else rows
 
 
 def _linear_candidate(module: torch.nn.Module) -> tuple | None:
@@ -91,6 +96,10 @@ def _elementwise_ops_apply(ops: object, model: LlamaModel) -> bool:
     )
 
 
+def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
 class FusedDecode:
     """Built once per model (`for_model`); `run` returns (hidden, residual) after the last
     decoder layer, or None where this step is not one it covers."""
@@ -113,8 +122,7 @@ class FusedDecode:
             attn = layer.self_attn
             if not isinstance(attn.attn.backend, CpuPagedAttentionBackend):
                 return None
-            linears = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-            got = [_linear_parts(m, model.norm.weight.dtype) for m in linears]
+            got = [_linear_parts(m, model.norm.weight.dtype) for m in _linears(layer)]
             if any(p is None for p in got):
                 return None
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -145,7 +153,8 @@ class FusedDecode:
             sa.rotary.cos,
             sa.rotary.sin,
         )
-        return FusedDecode(model, program, min(_few_rows(p[1]) for p in parts))
+        weights = [m.weight for layer in model.layers for m in _linears(layer)]
+        return FusedDecode(model, program, min(_few_rows(w, p[1]) for w, p in zip(weights, parts)))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = get_attn_metadata()

@@ -5,7 +5,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_ops import load_cpu_ops
-from engine.layers.packed_gemm import SMALL_ROWS, linear, pack_weight, packing_enabled
+from engine.layers.packed_gemm import (
+    OP_ROWS,
+    SMALL_ROWS,
+    bf16_gemm_native,
+    linear,
+    pack_weight,
+    packing_enabled,
+    small_rows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +30,7 @@ def vector(ops) -> bool:  # runs wherever the build has AVX-512 or AVX2; generic
 @pytest.mark.parametrize(
     "xdt,wdt", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
 )
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 19, 64])
 @pytest.mark.parametrize("n,k", [(1, 16), (15, 80), (17, 576), (100, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_small_linear_matches_f_linear(ops, xdt, wdt, m, n, k, bias):
@@ -44,7 +52,7 @@ def test_small_linear_matches_f_linear(ops, xdt, wdt, m, n, k, bias):
 def test_small_linear_declines_what_it_does_not_cover(ops):
     w = torch.randn(32, 64)
     for x, ww, out in [
-        (torch.randn(9, 64), w, torch.empty(9, 32)),  # too many rows
+        (torch.randn(65, 64), w, torch.empty(65, 32)),  # too many rows for one call
         (torch.randn(1, 20), torch.randn(32, 20), torch.empty(1, 32)),  # k % 16
         (torch.randn(1, 64), w.t().contiguous().t(), torch.empty(1, 32)),  # strided weight
         (torch.randn(1, 64).double(), w.double(), torch.empty(1, 32).double()),
@@ -67,3 +75,41 @@ def test_packed_linear_takes_the_small_path_at_few_rows(ops, monkeypatch):
             assert ops.small_linear(x, w, b, direct) and torch.equal(got, direct)
     monkeypatch.setenv("ORBITAL_SMALL_LINEAR", "0")
     assert pack_weight(w).plain is None
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, wdt):
+    """Rows share passes over the weight (4 at a time, the rest in smaller tiles), but each row's
+    sums run in one order: bit-equal whatever the call's row count, so batching and preemption's
+    recompute keep a sequence's greedy tokens."""
+    if not vector(ops):
+        pytest.skip("the generic build has no few-row op")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(OP_ROWS, 576, generator=g).to(wdt)
+    w = torch.randn(77, 576, generator=g).to(wdt)
+    alone = torch.empty(OP_ROWS, 77, dtype=wdt)
+    for i in range(OP_ROWS):
+        assert ops.small_linear(x[i : i + 1], w, None, alone[i : i + 1])
+    for m in (2, 3, 4, 5, 7, 9, 33, OP_ROWS):
+        y = torch.empty(m, 77, dtype=wdt)
+        assert ops.small_linear(x[:m], w, None, y)
+        assert torch.equal(y, alone[:m]), m
+
+
+def test_plain_bf16_weights_take_the_op_at_every_row_count_where_bf16_gemm_is_emulated(ops):
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(40, 96, generator=g).bfloat16(), torch.randn(40, generator=g).bfloat16()
+    x = torch.randn(OP_ROWS + 30, 96, generator=g).bfloat16()
+    got = linear(x, w, b)
+    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), atol=0.1, rtol=2e-2)
+    if not vector(ops):
+        return  # no op in this build: F.linear ran (checked above)
+    if bf16_gemm_native():
+        assert small_rows(w) == SMALL_ROWS  # oneDNN's native bf16 GEMM past 4 rows
+        return
+    assert small_rows(w) is None
+    rows = torch.empty_like(got)  # one row per call: bit-equal, so the op ran for every row
+    for i in range(x.shape[0]):
+        assert ops.small_linear(x[i : i + 1], w, b, rows[i : i + 1])
+    assert torch.equal(got, rows)
+    assert small_rows(w.float()) == SMALL_ROWS  # float32 weights: oneDNN past 4 rows

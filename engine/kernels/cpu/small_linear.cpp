@@ -1,17 +1,23 @@
 // Linear layer for a few rows (decode at low concurrency): y[m, n] = x[m, k] . w[n, k]^T + bias.
 // At one to a few rows a linear only streams its weight from memory once, and oneDNN's GEMM
 // (padded to 8 rows, one kernel call per layer) stays well below the memory bandwidth. Here each
-// thread walks a contiguous range of weight rows, 16 at a time: per row an F16 partial sum over
-// k (4 rows in flight for independent FMA chains), the 16 partial sums reduced together into one
-// 16-lane vector. Weights are float32 or bfloat16 (widened on load, so bf16 weights with float32
-// activations read half the bytes; on AVX2 in even/odd lane order, with x stored to match).
-// Returns false where it does not apply.
+// thread walks its run of weight rows (work_queue.h parallel_runs), 16 at a time, prefetching the
+// rows after the ones it reads (the hardware prefetcher alone left bf16 weights at one row 1.4x
+// below the memory bandwidth): per row an F16 partial sum over k, the 16 partial sums reduced
+// together into one 16-lane vector. Up to kC input rows share a pass over a block (each weight
+// vector widened once for all of them); one input row takes 4 weight rows at a time instead, for
+// independent FMA chains. Weights are float32 or bfloat16
+// (widened on load, so bf16 weights with float32 activations read half the bytes; on AVX2 in
+// even/odd lane order, with x stored to match). bf16 weights on a CPU without bf16 dot products
+// take this op at every row count (engine/layers/packed_gemm.py): PyTorch's bf16 GEMM is emulated
+// there, ~4x slower. Returns false where it does not apply.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <optional>
 #include <vector>
 #include "simd16.h"
+#include "work_queue.h"
 
 #if defined(ORBITAL_SIMD16)
 namespace {
@@ -19,7 +25,8 @@ namespace {
 using simd::F16;
 using simd::load16;
 
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 64;  // rows per call (callers split more)
+struct NoState {};
 
 // 16 weights of a row as float32: bf16 ones in simd::from_bf16_split's lane order (x is stored
 // in that order too, see run).
@@ -32,38 +39,80 @@ static inline F16 load_w(const W* p) {
   }
 }
 
-// 16 consecutive weight rows [n0, n0 + 16) against the m input rows (float32, in L1).
+constexpr int kC = 4;  // input rows per pass over a block's weights (measured: 4-6 alike, 2-3 slower)
+
+// Weight rows per tile for c input rows: R * c accumulators, so the registers hold them (and at
+// one row 4 independent FMA chains).
+template <int C>
+constexpr int tile_rows() { return C == 1 ? 4 : C == 2 ? 2 : 1; }
+
+// R weight rows [r0, r0 + R) of the block against C input rows: part[ci * 16 + r] = lane partial
+// sums over k, lane l summing k = l, l + 16, ... in order whatever R and C are, so a row's result
+// does not depend on the rows that share its call.
+template <int R, int C, typename W>
+static inline void tile(const float* xr, int64_t k, const W* const* wr, const char* next, bool pf, F16* part, int r0) {
+  F16 acc[R][C];
+  for (int q = 0; q < R; ++q)
+    for (int c = 0; c < C; ++c) acc[q][c] = simd::zero();
+  for (int64_t j = 0; j < k; j += 16) {
+    if (pf) {  // the weight rows after these (contiguous) stream in while these are read
+      const char* p = next + R * j * static_cast<int64_t>(sizeof(W));
+      for (int l = 0; l < static_cast<int>(R * 16 * sizeof(W)); l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    }
+    F16 wv[R];
+    for (int q = 0; q < R; ++q) wv[q] = load_w(wr[q] + j);
+    for (int c = 0; c < C; ++c) {
+      const F16 xv = simd::loadu(xr + c * k + j);
+      for (int q = 0; q < R; ++q) acc[q][c] = simd::fmadd(xv, wv[q], acc[q][c]);
+    }
+  }
+  for (int q = 0; q < R; ++q)
+    for (int c = 0; c < C; ++c) part[c * 16 + r0 + q] = acc[q][c];
+}
+
+// 16 consecutive weight rows [n0, n0 + 16) against C input rows (float32, xr = the first).
+template <int C, typename W>
+static inline void pass(const float* xr, const W* w, int64_t k, int64_t n0, int64_t n, bool pf, F16* part) {
+  constexpr int R = tile_rows<C>();
+  const int64_t rows = std::min<int64_t>(16, n - n0);
+  for (int r0 = 0; r0 < 16; r0 += R) {
+    if (r0 >= rows) {
+      for (int c = 0; c < C; ++c)
+        for (int q = 0; q < R; ++q) part[c * 16 + r0 + q] = simd::zero();
+      continue;
+    }
+    const W* wr[R];  // rows past the end of the weight repeat the last one (results dropped)
+    for (int q = 0; q < R; ++q) wr[q] = w + std::min<int64_t>(n0 + r0 + q, n - 1) * k;
+    const char* next = reinterpret_cast<const char*>(w + std::min<int64_t>(n0 + r0 + R, n - 1) * k);
+    tile<R, C, W>(xr, k, wr, next, pf, part, r0);
+  }
+}
+
+// Block [n0, n0 + 16) for all m input rows, kC at a time: the weight block comes from memory on
+// the first pass and from cache on the others.
 template <typename W, typename X>
 void block16(const float* xf, int64_t m, const W* w, int64_t k, int64_t n0, int64_t n, const X* bias, X* y,
              int64_t ys) {
   const int64_t rows = std::min<int64_t>(16, n - n0);
-  for (int64_t i = 0; i < m; ++i) {
-    const float* xr = xf + i * k;
-    F16 part[16];
-    for (int64_t r0 = 0; r0 < 16; r0 += 4) {
-      F16 a0 = simd::zero(), a1 = a0, a2 = a0, a3 = a0;
-      if (r0 < rows) {
-        // Rows past the end of the weight repeat the last one (results dropped below).
-        const W* w0 = w + std::min(n0 + r0, n - 1) * k;
-        const W* w1 = w + std::min(n0 + r0 + 1, n - 1) * k;
-        const W* w2 = w + std::min(n0 + r0 + 2, n - 1) * k;
-        const W* w3 = w + std::min(n0 + r0 + 3, n - 1) * k;
-        for (int64_t j = 0; j < k; j += 16) {
-          const F16 xv = simd::loadu(xr + j);
-          a0 = simd::fmadd(xv, load_w(w0 + j), a0);
-          a1 = simd::fmadd(xv, load_w(w1 + j), a1);
-          a2 = simd::fmadd(xv, load_w(w2 + j), a2);
-          a3 = simd::fmadd(xv, load_w(w3 + j), a3);
-        }
-      }
-      part[r0] = a0, part[r0 + 1] = a1, part[r0 + 2] = a2, part[r0 + 3] = a3;
+  F16 part[kC * 16];
+  for (int64_t i0 = 0; i0 < m; i0 += kC) {
+    const int64_t c = std::min<int64_t>(kC, m - i0);
+    const float* xr = xf + i0 * k;
+    const bool pf = i0 == 0;
+    switch (c) {
+      case 1: pass<1, W>(xr, w, k, n0, n, pf, part); break;
+      case 2: pass<2, W>(xr, w, k, n0, n, pf, part); break;
+      case 3: pass<3, W>(xr, w, k, n0, n, pf, part); break;
+      default: pass<4, W>(xr, w, k, n0, n, pf, part); break;
     }
-    alignas(64) float out[16];
-    simd::store(out, simd::sum16x16(part));
-    X* yr = y + i * ys + n0;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float b = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.f;
-      yr[r] = static_cast<X>(out[r] + b);
+    for (int64_t ci = 0; ci < c; ++ci) {
+      alignas(64) float out[16];
+      simd::store(out, simd::sum16x16(part + ci * 16));
+      X* yr = y + (i0 + ci) * ys + n0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float b = bias != nullptr ? static_cast<float>(bias[n0 + r]) : 0.f;
+        yr[r] = static_cast<X>(out[r] + b);
+      }
     }
   }
 }
@@ -71,13 +120,14 @@ void block16(const float* xf, int64_t m, const W* w, int64_t k, int64_t n0, int6
 template <typename W, typename X>
 void run(const torch::Tensor& x, const torch::Tensor& w, const X* bias, torch::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  alignas(64) float xf[kMaxRows * 4096];  // x widened once (k <= 4096 checked by the caller)
+  std::vector<float> xbuf(m * k);  // x widened once
+  float* xf = xbuf.data();
   const X* xp = x.data_ptr<X>();
   constexpr bool split = simd::kBf16Split && !std::is_same_v<W, float>;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < k; j += 16) {
       float* dst = xf + i * k + j;
-      simd::store(dst, load16(xp + i * x.stride(0) + j));
+      simd::storeu(dst, load16(xp + i * x.stride(0) + j));
       if constexpr (split) {  // [x0 x2 .. x14 | x1 x3 .. x15], the weights' lane order
         float t[16];
         for (int q = 0; q < 8; ++q) t[q] = dst[2 * q], t[8 + q] = dst[2 * q + 1];
@@ -87,9 +137,10 @@ void run(const torch::Tensor& x, const torch::Tensor& w, const X* bias, torch::T
   const W* wp = w.data_ptr<W>();
   X* yp = y.data_ptr<X>();
   const int64_t blocks = (n + 15) / 16;
-  // Contiguous ranges per thread: each streams its share of the weight sequentially.
-  at::parallel_for(0, blocks, 4, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) block16<W, X>(xf, m, wp, k, blk * 16, n, bias, yp, y.stride(0));
+  // Each thread streams its own run of blocks and then helps with the others' (a thread that
+  // something preempted does not hold the other at the end; bf16 at one row 1.08x over fixed shares).
+  parallel_runs<NoState>(blocks, [&](int64_t blk, NoState&) {
+    block16<W, X>(xf, m, wp, k, blk * 16, n, bias, yp, y.stride(0));
   });
 }
 
@@ -116,7 +167,7 @@ bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor>
 #if defined(ORBITAL_SIMD16)
   if (!x.device().is_cpu() || x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || w.is_mkldnn()) return false;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  if (m < 1 || m > kMaxRows || k % 16 || k > 4096 || w.size(1) != k || !w.is_contiguous() || x.stride(1) != 1 ||
+  if (m < 1 || m > kMaxRows || k % 16 || w.size(1) != k || !w.is_contiguous() || x.stride(1) != 1 ||
       out.size(0) != m || out.size(1) != n || out.stride(1) != 1 || !is_f32_or_bf16(x) || !is_f32_or_bf16(w) ||
       out.scalar_type() != x.scalar_type())
     return false;
