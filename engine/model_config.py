@@ -39,12 +39,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if _DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
-        # Measured on an AVX2 EPYC: batched steps ~3x slower than float32 (PyTorch emulates bf16
-        # matmuls there); one stream is faster (half the weight bytes through the few-row linear).
+        # Measured on an AVX2 EPYC (bench_llamacpp, 32 mixed requests): bf16 decodes faster than
+        # float32 at every load (half the weight bytes through the few-row op, which takes bf16
+        # weights at every row count there); a 1000-token prompt is ~1.2x slower.
         log.warning(
-            "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: bf16 matmuls are emulated, so "
-            "batched throughput is about 3x lower than float32 (dtype=auto picks float32 here); "
-            "single-stream latency is lower, since the weights are half the bytes"
+            "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: PyTorch's bf16 matmuls are emulated "
+            "here, so bf16 linears run through Orbital's own op with float32 sums; decoding is faster "
+            "than float32, long prompts ~1.2x slower (dtype=auto picks float32 here)"
         )
     return _DTYPES[dtype]
 
