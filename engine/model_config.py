@@ -28,24 +28,34 @@ def cpu_has_fast_bf16() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 where it is fast (CUDA with bf16, CPUs with AVX-512 BF16 / AMX), else float32."""
+def bf16_op_runs() -> bool:
+    """Whether bf16 weights take Orbital's few-row op at every row count on this CPU (a vector
+    build where PyTorch's bf16 GEMM is emulated: engine/layers/packed_gemm.py)."""
+    from engine.layers.packed_gemm import bf16_gemm_native, small_linear_ops
+
+    return not bf16_gemm_native() and small_linear_ops() is not None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: str | None = None) -> torch.dtype:
+    """`auto`: bfloat16 where it is fast (CUDA with bf16, CPUs with AVX-512 BF16 / AMX), and for
+    float weights where bf16 ones take the few-row op at every row count (AVX2: bf16 decodes
+    1.4-1.7x faster than float32 at every load on a 2-core EPYC, half the weight bytes; a long
+    prompt ~1.2x slower); else float32 (quantized weights keep float32 activations there: the
+    int4 paths' exact mode was measured with them)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        if cpu_has_fast_bf16() or (quantization is None and bf16_op_runs()):
+            return torch.bfloat16
+        return torch.float32
     if dtype not in _DTYPES:
         raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    if _DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16():
-        # Measured on an AVX2 EPYC (bench_llamacpp, 32 mixed requests): bf16 decodes faster than
-        # float32 at every load (half the weight bytes through the few-row op, which takes bf16
-        # weights at every row count there); a 1000-token prompt is ~1.2x slower.
+    if _DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16() and not bf16_op_runs():
         log.warning(
-            "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX: PyTorch's bf16 matmuls are emulated "
-            "here, so bf16 linears run through Orbital's own op with float32 sums; decoding is faster "
-            "than float32, long prompts ~1.2x slower (dtype=auto picks float32 here)"
+            "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX, with the few-row op off or not built "
+            "(ORBITAL_SMALL_LINEAR=0, a generic build): bf16 matmuls are emulated, ~3x slower than float32"
         )
     return _DTYPES[dtype]
 
@@ -123,5 +133,12 @@ def build_model_config(
     default_name = EMBEDDED_NAME if not model or model == "default" else (Path(model).name or str(model))
     name = served_name or default_name
     return ModelConfig(
-        model_dir, cfg, resolve_dtype(dtype, device), max_model_len, eos_ids, str(name), quantization, gguf_file
+        model_dir,
+        cfg,
+        resolve_dtype(dtype, device, quantization),
+        max_model_len,
+        eos_ids,
+        str(name),
+        quantization,
+        gguf_file,
     )
