@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from bench.timing import median_time
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.packed_gemm import linear, pack_weight
-from engine.layers.quant.int4 import (
+from engine.layers.quant.int4_format import (
     dequantize_int4,
     pack_int4,
     pack_layout,

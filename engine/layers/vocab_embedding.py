@@ -50,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.uint8:
-            from engine.layers.quant.int4 import embedding_int4
+            from engine.layers.quant.int4_format import embedding_int4
 
             return embedding_int4(self.weight, ids, self.dtype or torch.get_default_dtype())
         if self.weight.dtype == torch.int32:

@@ -40,7 +40,7 @@ def _linear_parts(module: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
     k = module.input_size_per_partition if hasattr(module, "input_size_per_partition") else module.input_size
     x, y = torch.zeros(1, k, dtype=dtype), torch.empty(1, n, dtype=dtype)
     if scales is not None:
-        from engine.layers.quant.int4 import pack_layout
+        from engine.layers.quant.int4_format import pack_layout
 
         ok = ops.int4_small_linear(x, w, scales, group_size, pack_layout()[1], None, y)
     else:
@@ -135,7 +135,7 @@ class FusedDecode:
         }
         if len(eps) != 1:
             return None
-        from engine.layers.quant.int4 import pack_layout
+        from engine.layers.quant.int4_format import pack_layout
 
         program = ops.DecodeLayers(
             norms,

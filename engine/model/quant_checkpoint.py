@@ -34,8 +34,8 @@ def cache_path(
     sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int, device: str = "cpu"
 ) -> Path:
     ident = [FORMAT, quantization, str(dtype), tp_rank, tp_size]
-    if device == "cpu":  # PyTorch's CPU int4 pack is laid out per its vector code (int4.pack_layout)
-        from engine.layers.quant.int4 import pack_layout
+    if device == "cpu":  # PyTorch's CPU int4 pack is laid out per its vector code (int4_format.pack_layout)
+        from engine.layers.quant.int4_format import pack_layout
 
         ident.append(list(pack_layout()))
     else:  # CUDA's int4 pack is another layout again

@@ -11,7 +11,8 @@ import torch
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
 from engine.layers.quant.blocks import BlockQuantized, assemble
-from engine.layers.quant.int4 import dequantize_int4, embedding_int4, int4_linear, pack_int4
+from engine.layers.quant.int4 import int4_linear
+from engine.layers.quant.int4_format import dequantize_int4, embedding_int4, pack_int4
 from engine.model.gguf_weights import decode_blocks, unpermute_rows
 
 KINDS = ["Q8_0", "Q4_0", "Q4_1"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.layers.quant.blocks import BlockQuantized
 from engine.layers.quant.cuda_int4 import embedding_int4_cuda, int4_linear_cuda, pack_int4_cuda
-from engine.layers.quant.int4 import quantize_groups
+from engine.layers.quant.int4_format import quantize_groups
 from engine.layers.quant.int8 import int8_linear, quantize_int8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -9,18 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.quant.blocks import BlockQuantized
-from engine.layers.quant.int4 import (
-    WIDE_ROWS,
+from engine.layers.quant.int4 import WIDE_ROWS, exact_mode, int4_linear, small_rows, wide_gemm_ops
+from engine.layers.quant.int4_format import (
     dequantize_int4,
-    exact_mode,
-    int4_linear,
     pack_int4,
     pack_layout,
     quantize_int4,
     scale_planes,
-    small_rows,
     unpack_nibbles,
-    wide_gemm_ops,
 )
 from tests.engine.test_int4_small_linear import exact_wide, pack_rows, pack_rows32, pytorch_weight, with_f16_scales
 from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture

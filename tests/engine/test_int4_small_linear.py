@@ -17,18 +17,20 @@ from engine.layers.quant.int4 import (
     EXACT_ROWS,
     SMALL_ROWS,
     WIDE_ROWS,
-    dequantize_int4,
     exact_mode,
     int4_linear,
     int4_logits,
+    small_linear_ops,
+    small_rows,
+    wide_gemm_ops,
+)
+from engine.layers.quant.int4_format import (
+    dequantize_int4,
     pack_int4,
     pack_layout,
     quantize_int4,
     scale_planes,
-    small_linear_ops,
-    small_rows,
     unpack_nibbles,
-    wide_gemm_ops,
 )
 from engine.layers.quant.int8 import quantize_int8
 from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.layers.quant.int4 import dequantize_int4, group_size_for, int4_linear, quantize_int4
+from engine.layers.quant.int4 import int4_linear
+from engine.layers.quant.int4_format import dequantize_int4, group_size_for, quantize_int4
 from tests.engine.test_quantization import ARGS, agreement, assert_hits_and_preemption_keep_tokens, quality
 
 # Relative error of the quantized linear against the float weight's: 4-bit values over a group

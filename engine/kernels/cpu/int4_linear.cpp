@@ -1,5 +1,5 @@
 // Int4 linear for a few rows (decode at low concurrency): y[m, n] = x[m, :] . w[n, :] + bias, with
-// w group-wise int4 (w = q * scale + min per group of inputs, engine/layers/quant/int4.py), read in
+// w group-wise int4 (w = q * scale + min per group of inputs, engine/layers/quant/int4_format.py), read in
 // place from PyTorch's CPU int4pack layout: per block of B output rows (64, or 32 where PyTorch
 // runs its AVX2 code) and per input k, B / 2 bytes; byte j holds row j (low nibble) and row
 // j + B / 2 (high). At one row PyTorch's kernel stays below the memory bandwidth (a SmolLM2 step's

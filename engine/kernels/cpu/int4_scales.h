@@ -1,5 +1,5 @@
 // Where the int4 ops (int4_linear.cpp, int4_dequantize.cpp) find a weight's exact scales and mins:
-// blocked by 64 rows, [np / 64, groups, 2, 64] (engine/layers/quant/int4.py block_scales), so a
+// blocked by 64 rows, [np / 64, groups, 2, 64] (engine/layers/quant/int4_format.py block_scales), so a
 // block's scales for every group lie together. Planes [2, groups, np] put each group's on another
 // page (98 KB apart for a 49152-row head) and a one-row step spent ~20% of its time waiting on them.
 #pragma once

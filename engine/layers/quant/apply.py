@@ -7,7 +7,8 @@ import torch
 
 from engine.layers.quant.blocks import BLOCK, BlockQuantized, assemble
 from engine.layers.quant.cuda_int4 import pack_int4_cuda
-from engine.layers.quant.int4 import group_size_for, pack_int4, quantize_groups, quantize_int4, small_linear_ops
+from engine.layers.quant.int4 import small_linear_ops
+from engine.layers.quant.int4_format import group_size_for, pack_int4, quantize_groups, quantize_int4
 from engine.layers.quant.int8 import quantize_int8
 from engine.layers.quant.spec import QuantSpec
 
@@ -18,7 +19,7 @@ def has_blocks(param: torch.Tensor) -> bool:
 
 def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False) -> torch.Tensor:
     """GGUF blocks the loader left on the parameter are packed as they are (8-bit Q8_0 values
-    as two nibbles, int4.py); a float weight is quantized per `spec` ("gguf": stays float).
+    as two nibbles, int4_format.py); a float weight is quantized per `spec` ("gguf": stays float).
     On CUDA int4 goes to tinygemm's pack (cuda_int4.py; `keep_rows`: an embedding's lookup
     needs plain rows too); int8 runs int8.py's kernels, or the int4 op as two nibbles where that
     runs (int8_as_nibbles)."""

@@ -51,7 +51,7 @@ class BlockQuantized:
         return (q * self.scale[..., None] + self.minimum[..., None]).view(n, k)
 
     def as_nibbles(self, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q 0..15, scale, min) for int4.pack_int4; `split` (any 8-bit part in the weight):
+        """(q 0..15, scale, min) for int4_format.pack_int4; `split` (any 8-bit part in the weight):
         [hi | lo] halves along the inputs, q = 16 * hi + lo, hi shifted by 8 into 0..15."""
         if not split:
             return self.q, self.scale, self.minimum

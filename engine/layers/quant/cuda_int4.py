@@ -4,7 +4,7 @@ group, `(q - 8) * s + z`, and the same "two nibbles" form of 8-bit GGUF blocks.
 
 The kernel's layout is opaque (`_convert_weight_to_int4pack` tiles it for the tensor cores), so
 a quantized token embedding (a GGUF's own blocks) keeps its nibbles in plain row order too
-(`.rows`, half a byte per weight, with `.scale_min` as int4.py keeps it) for the lookup;
+(`.rows`, half a byte per weight, with `.scale_min` as int4_format.py keeps it) for the lookup;
 linears keep only the pack.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.quant.int4 import dequantize_groups
+from engine.layers.quant.int4_format import dequantize_groups
 
 PAD_ROWS = 8  # the pack takes output rows in multiples of 8
 
