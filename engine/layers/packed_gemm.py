@@ -40,9 +40,7 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_gemm_native())
 
 
 SMALL_ROWS = 4
@@ -114,19 +112,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     flat = x.dim() == 2  # the usual case: no reshapes (each costs ~2 us of dispatch per call)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
-    if 0 < m <= SMALL_ROWS and x2.is_cpu:
+    if 0 < m and x2.is_cpu and (m <= SMALL_ROWS or small_rows(weight) is None):
         if weight.is_mkldnn:  # pack_weight kept `.plain` only where the op runs: no need to ask
             plain, ops = getattr(weight, "plain", None), _vector_ops(True)
         else:
             plain, ops = weight, small_linear_ops()
         if plain is not None and ops is not None:
             y = x2.new_empty(m, plain.shape[0])
-            if ops.small_linear(x2, plain, bias, y):
+            if m <= OP_ROWS:  # one call (no slicing: decode steps go through here per linear)
+                ok = ops.small_linear(x2, plain, bias, y)
+            else:
+                ok = all(
+                    ops.small_linear(x2[i : i + OP_ROWS], plain, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS)
+                )
+            if ok:
                 return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
-    elif m > SMALL_ROWS and x2.is_cpu and small_rows(weight) is None and (ops := small_linear_ops()) is not None:
-        y = x2.new_empty(m, weight.shape[0])
-        if all(ops.small_linear(x2[i : i + OP_ROWS], weight, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS)):
-            return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     mb = row_bucket(m)

@@ -117,7 +117,7 @@ class FusedDecode:
         ops = small_linear_ops()
         if ops is None or not hasattr(ops, "DecodeLayers") or model.norm.weight.device.type != "cpu":
             return None
-        norms, parts = [], []
+        norms, parts, rows = [], [], []
         for layer in model.layers:
             attn = layer.self_attn
             if not isinstance(attn.attn.backend, CpuPagedAttentionBackend):
@@ -127,6 +127,7 @@ class FusedDecode:
                 return None
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             parts += got
+            rows += [_few_rows(m.weight, p[1]) for m, p in zip(_linears(layer), got)]
         sa = model.layers[0].self_attn
         if not _elementwise_ops_apply(ops, model):
             return None
@@ -153,8 +154,7 @@ class FusedDecode:
             sa.rotary.cos,
             sa.rotary.sin,
         )
-        weights = [m.weight for layer in model.layers for m in _linears(layer)]
-        return FusedDecode(model, program, min(_few_rows(w, p[1]) for w, p in zip(weights, parts)))
+        return FusedDecode(model, program, min(rows))
 
     def run(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         meta = get_attn_metadata()
