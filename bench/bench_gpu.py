@@ -9,8 +9,9 @@ Figures: output tokens/s over the whole run, and TTFT (engine: mean over request
 from arrival to their first token; transformers: one batched generate of a single token).
 Each engine configuration named in --backends runs the same workload:
 `backend[:eager][/weights[/kv]]`, an attention backend, `:eager` for no CUDA graphs, then
-optionally weight quantization (`int8`, `int4`, `int4:g64`, ...; `-` for none) and the KV
-cache dtype (`int8`, `fp8_e4m3`). Each row also gives the KV pool's capacity in tokens and the
+optionally weight quantization (`int8`, `int4`, `int4:g64`, `gguf`...; `-` for none; `@triton`
+or `@torch` after it for the Triton or PyTorch's kernels instead of cuda_kernel_choice.py's
+defaults) and the KV cache dtype (`int8`, `fp8_e4m3`). Each row also gives the KV pool's capacity in tokens and the
 weights' bytes on the GPU.
 
     python -m bench.bench_gpu --out bench_gpu.json      # needs CUDA and a tokenizer (see bench/random_llama.py)
@@ -105,6 +106,12 @@ def bench_model(shape: str, args) -> list[dict]:
             head, *rest = config.split("/")
             backend, _, mode = head.partition(":")
             quant = rest[0] if rest and rest[0] != "-" else None
+            quant, _, kernel = (quant or "").partition("@")
+            quant = quant or None
+            if kernel:
+                os.environ["ORBITAL_CUDA_QUANT_KERNEL"] = kernel
+            else:
+                os.environ.pop("ORBITAL_CUDA_QUANT_KERNEL", None)  # cuda_kernel_choice's defaults
             kv = rest[1] if len(rest) > 1 else "auto"
             os.environ["ORBITAL_ATTENTION_BACKEND"] = backend
             t0 = time.perf_counter()

@@ -96,19 +96,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear`, or the packed oneDNN GEMM when `weight` was packed by `pack_weight`; the
     few-row C++ op at up to SMALL_ROWS rows (CPU), at every row count for a weight small_rows()
     says so of; an int8 or int4 weight's own kernel (quant/;
-    int32: the CUDA int4 pack)."""
+    on CUDA, uint8 and int32 are the two int4 forms of cuda_int4.py)."""
     if weight.dtype == torch.int8:
         from engine.layers.quant.int8 import int8_linear
 
         return int8_linear(x, weight, bias)
+    if weight.dtype == torch.int32 or (weight.dtype == torch.uint8 and weight.is_cuda):
+        from engine.layers.quant.cuda_int4 import int4_linear_cuda
+
+        return int4_linear_cuda(x, weight, bias)
     if weight.dtype == torch.uint8:
         from engine.layers.quant.int4 import int4_linear
 
         return int4_linear(x, weight, bias)
-    if weight.dtype == torch.int32:
-        from engine.layers.quant.cuda_int4 import int4_linear_cuda
-
-        return int4_linear_cuda(x, weight, bias)
     flat = x.dim() == 2  # the usual case: no reshapes (each costs ~2 us of dispatch per call)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     m = x2.shape[0]

@@ -49,14 +49,14 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = quantize_param(self.weight, spec, keep_rows=True)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == torch.int32 or (self.weight.dtype == torch.uint8 and self.weight.is_cuda):
+            from engine.layers.quant.cuda_int4 import embedding_int4_cuda
+
+            return embedding_int4_cuda(self.weight, ids, self.dtype or torch.get_default_dtype())
         if self.weight.dtype == torch.uint8:
             from engine.layers.quant.int4_format import embedding_int4
 
             return embedding_int4(self.weight, ids, self.dtype or torch.get_default_dtype())
-        if self.weight.dtype == torch.int32:
-            from engine.layers.quant.cuda_int4 import embedding_int4_cuda
-
-            return embedding_int4_cuda(self.weight, ids, self.dtype or torch.get_default_dtype())
         return F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -110,7 +110,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""
         w = self.packed_weight if self.packed_weight is not None else self.weight
-        if w.dtype == torch.uint8:  # CPU int4 pack: float32 logits at every row count
+        if w.dtype == torch.uint8 and not w.is_cuda:  # CPU int4 pack: float32 logits at every row count
             from engine.layers.quant.int4 import int4_logits
 
             logits = int4_logits(hidden, w)

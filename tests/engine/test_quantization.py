@@ -116,3 +116,20 @@ def assert_hits_and_preemption_keep_tokens(**llm_kwargs) -> None:
         small.shutdown()
     assert got == expected
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["blocks_used"] == 0, stats
+
+
+def test_cuda_quant_kernel_choice(monkeypatch):
+    """Defaults per method (int8 through Triton where it imports, int4 through tinygemm); the
+    variable sets both; a wrong value is refused by name."""
+    from engine.layers.quant.cuda_kernel_choice import _triton_imports, cuda_quant_kernel
+
+    triton = "triton" if _triton_imports() else "torch"
+    monkeypatch.delenv("ORBITAL_CUDA_QUANT_KERNEL", raising=False)
+    assert cuda_quant_kernel("int8") == triton and cuda_quant_kernel("int4") == "torch"
+    monkeypatch.setenv("ORBITAL_CUDA_QUANT_KERNEL", "torch")
+    assert cuda_quant_kernel("int8") == "torch"
+    monkeypatch.setenv("ORBITAL_CUDA_QUANT_KERNEL", "triton")
+    assert cuda_quant_kernel("int4") == triton
+    monkeypatch.setenv("ORBITAL_CUDA_QUANT_KERNEL", "cutlass")
+    with pytest.raises(ValueError, match="expected one of triton, torch"):
+        cuda_quant_kernel("int4")

@@ -45,7 +45,7 @@ def pack_int4(
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     param = nn.Parameter(packed, requires_grad=False)
     scale, minimum = scale.float(), minimum.float()
-    param.scale_min = _compact(block_scales(torch.stack([scale.t(), minimum.t()])))
+    param.scale_min = half_if_exact(block_scales(torch.stack([scale.t(), minimum.t()])))
     zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1)  # the kernel's (q - 8) * s + z
     param.scales_zeros_bf16 = zeros.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
@@ -80,7 +80,7 @@ def quantize_groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, tor
     return q, scale, lo
 
 
-def _compact(t: torch.Tensor) -> torch.Tensor:
+def half_if_exact(t: torch.Tensor) -> torch.Tensor:
     """float16 where every value survives the round trip (GGUF's scales and mins are float16, and
     Q8_0's 16 * d and -128 * d stay exact): the op reads half the bytes; else float32."""
     h = t.half()

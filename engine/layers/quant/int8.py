@@ -11,9 +11,10 @@ instead (apply.int8_as_nibbles: 1.8x the tokens/s of one stream here, float32 su
 decode step); this module runs them elsewhere.
 
 On CUDA PyTorch's int8 kernel is far slower than cuBLAS at every row count (H100, ~1B Llama:
-76 against 367 tok/s at batch 1, 392 against 6,570 at batch 32), so there the int8 weight is
-always widened for the call and the per-channel scale applied to the output: int8 on a GPU
-saves weight memory, not time (`python -m bench.bench_gpu`).
+76 against 367 tok/s at batch 1, 392 against 6,570 at batch 32). There the int8 weight runs
+through triton_weight_gemm.py's kernel (widened in registers, the per-channel scale applied to
+the output), or with `ORBITAL_CUDA_QUANT_KERNEL=torch` is widened to a float copy for the call
+(`python -m bench.bench_gpu`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.quant.cuda_kernel_choice import cuda_quant_kernel
 
 INT8_MM_ROWS = 32  # measured crossover: 32 rows about even, 64 rows the float GEMM wins
 
@@ -45,7 +48,11 @@ def quantize_int8(w: torch.Tensor) -> nn.Parameter:
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a weight from `quantize_int8`, in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.is_cuda:
+    if x2.is_cuda and cuda_quant_kernel("int8") == "triton":
+        from engine.layers.quant.triton_weight_gemm import int8_matmul
+
+        y = int8_matmul(x2, weight, weight.scale, bias)
+    elif x2.is_cuda:
         y = F.linear(x2, weight.to(x.dtype)) * weight.scale.to(x.dtype)
         if bias is not None:
             y += bias
