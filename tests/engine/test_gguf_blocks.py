@@ -86,12 +86,12 @@ def test_packed_blocks_keep_their_values(kinds):
     assert torch.equal(embedding_int4(packed, ids, torch.float32), got[ids])
 
 
-def test_a_cut_gguf_keeps_the_first_layers_blocks_and_runs(embedded_reader, tmp_path):
+def test_a_cut_gguf_keeps_the_first_layers_blocks(embedded_reader, tmp_path):
     """tests/engine/gguf_subset.py (what the GPU tests run a real GGUF from): the first layer's
-    and the shared tensors' blocks byte for byte, the metadata with one block, and it loads."""
+    and the shared tensors' blocks byte for byte, the metadata with one block (the GPU test
+    loads and runs such a file on both devices)."""
     from gguf import GGUFReader
 
-    from engine import LLM, SamplingParams
     from engine.model.gguf_convert import embedded_gguf_path
     from tests.engine.gguf_subset import write_gguf_subset
 
@@ -102,13 +102,3 @@ def test_a_cut_gguf_keeps_the_first_layers_blocks_and_runs(embedded_reader, tmp_
     for t in cut.tensors:
         assert t.tensor_type == src[t.name].tensor_type and np.array_equal(t.data, src[t.name].data), t.name
     assert cut.fields["llama.block_count"].contents() == 1
-    llm = LLM(
-        str(tmp_path / "one.gguf"), quantization="gguf", dtype="float32", num_threads=2, kv_cache_memory_bytes=16 << 20
-    )
-    try:
-        out = llm.generate(
-            {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
-        )
-        assert len(out[0].outputs[0].token_ids) == 4 and llm.stats()["blocks_used"] == 0
-    finally:
-        llm.shutdown()
