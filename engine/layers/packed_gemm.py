@@ -17,11 +17,13 @@ float32, 44 ms against 22 ms for the C++ `small_linear` op reading the plain wei
 its plain tensor too (`.plain`; twice the weight memory, none for a tied LM head, whose plain
 weight is the embedding) and rows <= SMALL_ROWS go through it. ORBITAL_SMALL_LINEAR=0 turns it off.
 
-A bfloat16 weight on a CPU without bf16 dot products (AVX2, AVX-512 without BF16) is not packed,
-and PyTorch's bf16 GEMM is emulated there: over a SmolLM2 step's linears on a 2-core AVX2 EPYC,
-130 ms at 8 rows and 480 at 32 against the op's ~30 and ~120. So such a weight takes the op at
-every row count, OP_ROWS rows per call (small_rows): float32 sums of the bf16 weights widened on
-load, each row's result the same whatever rows share its call.
+A bfloat16 weight on a CPU without bf16 dot products (AVX2, AVX-512 without BF16) is not packed
+for oneDNN, and PyTorch's bf16 GEMM is emulated there: over a SmolLM2 step's linears on a 2-core
+AVX2 EPYC, 130 ms at 8 rows and 480 at 32 against the op's ~30 and ~120. So such a weight takes
+the op at every row count, OP_ROWS rows per call (small_rows): float32 sums of the bf16 weights
+widened on load, each row's result the same whatever rows share its call. Where the op is built
+for AVX2, the weight is repacked at load into panels of 16 rows (pack_rows16, the same bytes)
+that its outer-product path reads (small_linear_rows16.cpp): 1.3-1.9x at 8-64 rows.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_gemm_native())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and (bf16_gemm_native() or rows16_enabled()))
 
 
 SMALL_ROWS = 4
@@ -76,9 +78,33 @@ def _vector_ops(enabled: bool) -> ModuleType | None:
     return ops if ops is not None and ops.isa() != "generic" else None
 
 
+def rows16_enabled() -> bool:
+    """bf16 weights go to panels of 16 rows: the op is built for AVX2 and bf16 GEMMs are emulated."""
+    ops = small_linear_ops()
+    return ops is not None and ops.isa() == "avx2" and not bf16_gemm_native()
+
+
+PANEL_ORDER = [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15]  # one load: outputs 0-7 and 8-15
+
+
+def pack_rows16(w: torch.Tensor) -> nn.Parameter:
+    """A [out, in] bf16 weight as [ceil(out/16), in, 16] panels: per input, the panel's 16
+    outputs side by side in PANEL_ORDER (rows past `out` are zeros); `.out_features` = out."""
+    n, k = w.shape
+    w = w.detach()
+    if n % 16:
+        w = torch.cat([w, w.new_zeros(-n % 16, k)])
+    panels = nn.Parameter(w.view(-1, 16, k)[:, PANEL_ORDER].transpose(1, 2).contiguous(), requires_grad=False)
+    panels.out_features, panels.plain = n, None
+    return panels
+
+
 def pack_weight(w: torch.Tensor) -> nn.Parameter:
     """A [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor); `.plain` holds the
-    plain weight for the few-row path where it runs (else None)."""
+    plain weight for the few-row path where it runs (else None). A bf16 weight where the bf16
+    GEMM is emulated: panels of 16 rows instead (pack_rows16), for the op alone."""
+    if w.dtype == torch.bfloat16 and not bf16_gemm_native():
+        return pack_rows16(w)
     plain = w.detach().contiguous()
     packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(plain, None), requires_grad=False)
     packed.plain = plain if small_linear_ops() is not None else None
@@ -109,6 +135,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from engine.layers.quant.int4 import int4_linear
 
         return int4_linear(x, weight, bias)
+    if weight.dim() == 3:
+        return _rows16_linear(x, weight, bias)
     flat = x.dim() == 2  # the usual case: no reshapes (each costs ~2 us of dispatch per call)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     m = x2.shape[0]
@@ -139,3 +167,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if mb != m:
         y = y[:m]
     return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _rows16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A weight in panels of 16 rows (pack_rows16): only the op reads them, OP_ROWS rows per call."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = x2.new_empty(m, weight.out_features)
+    ops = _vector_ops(True)
+    if m <= OP_ROWS:  # one call (no slicing: decode steps go through here per linear)
+        ok = m == 0 or ops.small_linear(x2, weight, bias, y)
+    else:
+        ok = all(ops.small_linear(x2[i : i + OP_ROWS], weight, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS))
+    if not ok:
+        raise RuntimeError(f"the few-row op refused a bf16 panel weight ({x2.dtype} x of {tuple(x2.shape)})")
+    return y.reshape(*x.shape[:-1], weight.out_features)

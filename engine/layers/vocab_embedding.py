@@ -87,6 +87,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             packed = pack_weight(self.weight)
             self.packed_weight = packed.data  # a tensor, not a second registered parameter
             self.packed_weight.plain = None if packed.plain is None else self.weight.data  # no second plain copy
+            self.packed_weight.out_features = getattr(packed, "out_features", None)  # bf16 panels (pack_rows16)
         else:
             self.weight = pack_weight(self.weight)
 

@@ -76,7 +76,7 @@ def _linear_candidate(module: torch.nn.Module) -> tuple | None:
     plain, ops = (getattr(w, "plain", None), _vector_ops(True)) if w.is_mkldnn else (w, small_linear_ops())
     if plain is None or ops is None:
         return None
-    return plain, None, bias, 0, plain.shape[0]
+    return plain, None, bias, 0, plain.out_features if plain.dim() == 3 else plain.shape[0]  # 3: bf16 panels
 
 
 def _elementwise_ops_apply(ops: object, model: LlamaModel) -> bool:

@@ -1,4 +1,5 @@
-"""The few-row C++ linear (small_linear.cpp) against F.linear, and its use by packed_gemm.linear."""
+"""The few-row C++ linear (small_linear.cpp, and small_linear_rows16.cpp over bf16 panels of 16
+rows on AVX2) against F.linear, and its use by packed_gemm.linear."""
 
 import pytest
 import torch
@@ -7,11 +8,14 @@ import torch.nn.functional as F
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.packed_gemm import (
     OP_ROWS,
+    PANEL_ORDER,
     SMALL_ROWS,
     bf16_gemm_native,
     linear,
+    pack_rows16,
     pack_weight,
     packing_enabled,
+    rows16_enabled,
     small_rows,
 )
 
@@ -113,3 +117,51 @@ def test_plain_bf16_weights_take_the_op_at_every_row_count_where_bf16_gemm_is_em
         assert ops.small_linear(x[i : i + 1], w, b, rows[i : i + 1])
     assert torch.equal(got, rows)
     assert small_rows(w.float()) == SMALL_ROWS  # float32 weights: oneDNN past 4 rows
+
+
+def test_rows16_panels_hold_the_weight_in_panel_order():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(37, 32, generator=g).bfloat16()
+    p = pack_rows16(w)
+    assert p.shape == (3, 32, 16) and p.out_features == 37
+    for b in range(3):
+        for t, o in enumerate(PANEL_ORDER):
+            row = b * 16 + o
+            assert torch.equal(p[b, :, t], w[row] if row < 37 else torch.zeros(32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(1, 16), (37, 80), (100, 1536)])
+def test_rows16_panels_compute_f_linear_and_a_rows_result_alone(ops, xdt, n, k):
+    """The outer-product path (AVX2 builds) where it runs, else the op declines (checked): the
+    result is F.linear's, and each row's bits are the same whatever rows share its call."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).to(xdt)
+    x = torch.randn(OP_ROWS + 9, k, generator=g).to(xdt)
+    p = pack_rows16(w)
+    y = torch.empty(OP_ROWS, n, dtype=xdt)
+    if not ops.small_linear(x[:OP_ROWS], p, b, y):
+        assert ops.isa() != "avx2"  # the path is built for the avx2 target only
+        return
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = linear(x, p, b)
+    tol = dict(atol=1e-4, rtol=1e-4) if xdt == torch.float32 else dict(atol=0.1, rtol=2e-2)
+    torch.testing.assert_close(got.double(), ref, **tol)
+    for m in (1, 2, 3, 5, 8, 13):
+        for i in (0, 3):
+            assert torch.equal(linear(x[i : i + m], p, b), got[i : i + m]), (m, i)
+
+
+def test_bf16_models_load_their_linears_as_panels_where_the_avx2_path_runs(ops):
+    """Where rows16_enabled (the op built for AVX2, bf16 GEMMs emulated) pack_weight gives panels;
+    elsewhere oneDNN's layout or nothing (packing off), as before."""
+    w = torch.randn(48, 64).bfloat16()
+    if not rows16_enabled():
+        assert ops.isa() != "avx2" or bf16_gemm_native()
+        return
+    assert packing_enabled(torch.bfloat16, torch.device("cpu"))
+    p = pack_weight(w)
+    assert p.dim() == 3 and p.out_features == 48 and small_rows(p) is None
+    x = torch.randn(3, 64).bfloat16()
+    torch.testing.assert_close(linear(x, p).float(), F.linear(x.float(), w.float()), atol=0.05, rtol=2e-2)
+    assert linear(torch.empty(0, 64, dtype=torch.bfloat16), p).shape == (0, 48)

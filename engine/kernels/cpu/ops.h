@@ -14,6 +14,7 @@ bool prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_c
 bool rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight, double eps);
 bool silu_and_mul(torch::Tensor x, torch::Tensor out);
 bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out);
+bool small_linear_rows16(torch::Tensor x, torch::Tensor wp, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
                        int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <optional>
 #include <vector>
+#include "ops.h"
 #include "simd16.h"
 #include "work_queue.h"
 
@@ -164,6 +165,7 @@ bool is_f32_or_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kFlo
 // x [m, k] (rows contiguous), w [n, k] contiguous (float32 or bfloat16), bias [n] in x's dtype or
 // None, out [m, n] in x's dtype. False (nothing written) where this op does not apply.
 bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out) {
+  if (w.dim() == 3) return small_linear_rows16(x, w, bias, out);  // bf16 panels of 16 rows (AVX2)
 #if defined(ORBITAL_SIMD16)
   if (!x.device().is_cpu() || x.dim() != 2 || w.dim() != 2 || out.dim() != 2 || w.is_mkldnn()) return false;
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
