@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.quant.cuda_int4 import is_cuda_int4
+
 
 def packing_enabled(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or os.environ.get("ORBITAL_PACKED_GEMM", "1") == "0":
@@ -103,7 +105,7 @@ def pack_weight(w: torch.Tensor) -> nn.Parameter:
     """A [out, in] weight in oneDNN's blocked layout (an opaque mkldnn tensor); `.plain` holds the
     plain weight for the few-row path where it runs (else None). A bf16 weight where the bf16
     GEMM is emulated: panels of 16 rows instead (pack_rows16), for the op alone."""
-    if w.dtype == torch.bfloat16 and not bf16_gemm_native():
+    if w.dtype == torch.bfloat16 and rows16_enabled():
         return pack_rows16(w)
     plain = w.detach().contiguous()
     packed = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(plain, None), requires_grad=False)
@@ -127,7 +129,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from engine.layers.quant.int8 import int8_linear
 
         return int8_linear(x, weight, bias)
-    if weight.dtype == torch.int32 or (weight.dtype == torch.uint8 and weight.is_cuda):
+    if is_cuda_int4(weight):
         from engine.layers.quant.cuda_int4 import int4_linear_cuda
 
         return int4_linear_cuda(x, weight, bias)
@@ -147,13 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             plain, ops = weight, small_linear_ops()
         if plain is not None and ops is not None:
             y = x2.new_empty(m, plain.shape[0])
-            if m <= OP_ROWS:  # one call (no slicing: decode steps go through here per linear)
-                ok = ops.small_linear(x2, plain, bias, y)
-            else:
-                ok = all(
-                    ops.small_linear(x2[i : i + OP_ROWS], plain, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS)
-                )
-            if ok:
+            if _op_rows(ops, x2, plain, bias, y):
                 return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
@@ -169,18 +165,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def _op_rows(ops: ModuleType, x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> bool:
+    """y = the op's x2 . w^T + bias, OP_ROWS rows per call; False where it declines."""
+    m = x2.shape[0]
+    if m <= OP_ROWS:  # one call (no slicing: decode steps go through here per linear)
+        return ops.small_linear(x2, w, bias, y)
+    return all(ops.small_linear(x2[i : i + OP_ROWS], w, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS))
+
+
 def _rows16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A weight in panels of 16 rows (pack_rows16): only the op reads them, OP_ROWS rows per call."""
-    x2 = x.reshape(-1, x.shape[-1])
+    """A weight in panels of 16 rows (pack_rows16): only the op reads them."""
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = x2.new_empty(m, weight.out_features)
-    ops = _vector_ops(True)
-    if m <= OP_ROWS:  # one call (no slicing: decode steps go through here per linear)
-        ok = m == 0 or ops.small_linear(x2, weight, bias, y)
-    else:
-        ok = all(ops.small_linear(x2[i : i + OP_ROWS], weight, bias, y[i : i + OP_ROWS]) for i in range(0, m, OP_ROWS))
-    if not ok:
+    y = x2.new_empty(x2.shape[0], weight.out_features)
+    if x2.shape[0] and not _op_rows(_vector_ops(True), x2, weight, bias, y):
         raise RuntimeError(f"the few-row op refused a bf16 panel weight ({x2.dtype} x of {tuple(x2.shape)})")
-    return y.reshape(*x.shape[:-1], weight.out_features)
+    return y if flat else y.reshape(*x.shape[:-1], weight.out_features)

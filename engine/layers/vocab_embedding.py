@@ -17,6 +17,7 @@ from engine.distributed import get_tp_group, tp_all_reduce, tp_gather_last_dim
 from engine.layers.packed_gemm import linear, pack_weight
 from engine.layers.quant import QuantSpec, is_quantized, quantize_param
 from engine.layers.quant.apply import has_blocks
+from engine.layers.quant.cuda_int4 import is_cuda_int4
 from engine.layers.weight_utils import copy_rows_into, narrow, shape_of
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
             self.weight = quantize_param(self.weight, spec, keep_rows=True)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == torch.int32 or (self.weight.dtype == torch.uint8 and self.weight.is_cuda):
+        if is_cuda_int4(self.weight):
             from engine.layers.quant.cuda_int4 import embedding_int4_cuda
 
             return embedding_int4_cuda(self.weight, ids, self.dtype or torch.get_default_dtype())
@@ -111,7 +112,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocab logits on rank 0 (None elsewhere); padding columns removed."""
         w = self.packed_weight if self.packed_weight is not None else self.weight
-        if w.dtype == torch.uint8 and not w.is_cuda:  # CPU int4 pack: float32 logits at every row count
+        if w.dtype == torch.uint8 and not is_cuda_int4(w):  # CPU int4 pack: float32 logits at every row count
             from engine.layers.quant.int4 import int4_logits
 
             logits = int4_logits(hidden, w)

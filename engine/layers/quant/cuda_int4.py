@@ -23,6 +23,11 @@ from engine.layers.quant.int4_format import dequantize_groups, half_if_exact
 PAD_ROWS = 8  # the pack takes output rows in multiples of 8
 
 
+def is_cuda_int4(w: torch.Tensor) -> bool:
+    """A weight in one of this module's forms (on CPU, uint8 is int4.py's pack)."""
+    return w.dtype == torch.int32 or (w.dtype == torch.uint8 and w.is_cuda)
+
+
 def inner_k_tiles(k: int) -> int:
     for t in (8, 4, 2):
         if k % (16 * t) == 0:

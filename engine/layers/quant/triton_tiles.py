@@ -49,10 +49,20 @@ def _table(kind: str, device_name: str) -> list[tuple[int, Tile]]:
     return table[:-1] + [(1 << 30, table[-1][1])]
 
 
+@functools.cache
+def device_info(device: torch.device) -> tuple[str, int]:
+    """(name, multiprocessors): asked per linear call, read once per device (CPU: the
+    interpreter's stand-in)."""
+    if device.type != "cuda":
+        return "cpu", 4
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.multi_processor_count
+
+
 def tile_for(kind: str, m: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Tile:
     """Tuned tiles for 16-bit activations (what the tuner measures); float32 ones take the
     defaults (a tile tuned for bf16 can need twice the shared memory there)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" and dtype.itemsize == 2 else "default"
+    name = device_info(device)[0] if dtype.itemsize == 2 else "default"
     return next(t for rows, t in _table(kind, name) if m <= rows)
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.quant.triton_tiles import Tile, splits_for, tile_for
+from engine.layers.quant.triton_tiles import Tile, device_info, splits_for, tile_for
 
 
 @triton.jit
@@ -88,10 +88,6 @@ def _int8_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -99,7 +95,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(kernel, x2, n: int, steps: int, tile: Tile, bias, out_dtype, args: tuple, meta: dict) -> torch.Tensor:
     m = x2.shape[0]
-    splits, per = splits_for(tile, m, n, steps, _sms(x2.device))
+    splits, per = splits_for(tile, m, n, steps, device_info(x2.device)[1])
     out = torch.empty(splits, m, n, dtype=out_dtype if splits == 1 else torch.float32, device=x2.device)
     grid = (triton.cdiv(n, tile.block_n), triton.cdiv(m, tile.block_m), splits)
     kernel[grid](
