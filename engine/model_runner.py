@@ -17,7 +17,7 @@ from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group, tp_max
 from engine.forward_context import forward_context
 from engine.kv_memory import allocate_kv_caches
-from engine.kv_transfer.block_io import head_slice, read_blocks, write_blocks
+from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
 from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
 from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
@@ -227,6 +227,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if so.kv_copies:  # tail hits: before any of this step's KV writes
+            copy_slots(self.kv_caches, so.kv_copies)
         self.states.apply(so)
         if so.is_empty:
             return ModelRunnerOutput() if self.tp.rank == 0 else None

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 from engine.core.free_block_queue import FreeBlockQueue, KVCacheBlock
 from engine.core.kv_events import KVEventRecorder
+from engine.core.tail_hits import TailIndex
 from engine.request import Request
 
 
@@ -32,6 +33,8 @@ class BlockPool:
         self.num_evictions = 0
         # Hashes entering and leaving the map, in order (engine/core/kv_events.py).
         self.events = KVEventRecorder()
+        # Blocks a token-granular hit may copy from (tail_hits.py); forgotten on eviction too.
+        self.tails = TailIndex()
 
     # --- allocation -------------------------------------------------------------------------
 
@@ -49,6 +52,7 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> bool:
+        self.tails.drop(block)
         if block.block_hash is None:
             return False
         same = self.cached_block_hash_to_block.get(block.block_hash)
@@ -115,6 +119,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        self.tails.clear(self.blocks)
         self.events.cleared()
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
@@ -157,3 +162,4 @@ class BlockPool:
                 assert block is self.blocks[block_id] and block.block_hash == block_hash, block
                 mapped.add(block_id)
         assert hashed == mapped, f"hashed blocks {hashed} != mapped blocks {mapped}"
+        self.tails.check(self.blocks)

@@ -18,6 +18,10 @@ class KVCacheBlock:
     ref_cnt: int = 0
     # Hash of the full block's contents (see block_hash.py); None while partial or uncached.
     block_hash: int | None = None
+    # Tail-hit candidates (tail_hits.py): the lookup key and the tokens whose KV the block holds
+    # (all of them for a full cached block, the computed ones of a freed partial block).
+    tail_key: tuple | None = field(default=None, repr=False)
+    tail_tokens: tuple[int, ...] | None = field(default=None, repr=False)
     # Links for FreeBlockQueue; both None while the block is not in the queue.
     prev_free_block: KVCacheBlock | None = field(default=None, repr=False)
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)

@@ -9,7 +9,8 @@ Who may share blocks through the hash map:
 Blocks are published in the hash map when they are *scheduled* to be filled (vLLM V1), so a
 request scheduled later in the same step can already hit them. This relies on the runner's
 usual contract: for each layer, the KV of every scheduled token is written into the cache
-before that layer's attention reads any block.
+before that layer's attention reads any block. Tail hits (tail_hits.py) copy slots before the
+forward instead, so they never copy from a block published in the same step.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Iterable
 from engine.core.block_hash import kv_hash_root, max_hit_blocks, update_block_hashes
 from engine.core.block_pool import BlockPool
 from engine.core.free_block_queue import KVCacheBlock
+from engine.core.tail_hits import TailHit, tail_key
 from engine.request import Request
 
 
@@ -39,6 +41,12 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already published in the hash map.
         self.num_cached_block: dict[str, int] = {}
+        # Tail hits of the step being scheduled: (src block, dst block, slots) for the runner,
+        # their sources held until the step has run, and the blocks published during this
+        # schedule (their KV is written by its forward, after the copies).
+        self._copies: list[tuple[int, int, int]] = []
+        self._pinned: list[KVCacheBlock] = []
+        self._fresh: set[int] = set()
 
     def can_share(self, request: Request) -> bool:
         return self.enable_prefix_caching or request.cache_salt is not None
@@ -63,17 +71,32 @@ class KVCacheManager:
         self.block_pool.record_prefix_query(request.num_tokens, num_computed)
         return blocks, num_computed
 
+    def find_tail(self, request: Request, num_hit_blocks: int) -> TailHit | None:
+        """After `num_hit_blocks` full-block hits: a cached block whose leading tokens continue
+        the request's (tail_hits.py), never covering its last token."""
+        if not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
+            return None
+        start = num_hit_blocks * self.block_size
+        limit = min(request.num_tokens - 1 - start, self.block_size)
+        if limit <= 0:
+            return None
+        tokens = request.all_token_ids
+        parent = request.block_hashes[num_hit_blocks - 1] if num_hit_blocks else self.hash_root
+        key = tail_key(parent, request.cache_salt, num_hit_blocks, tokens[start])
+        return self.block_pool.tails.longest(key, tokens[start : start + limit], self._fresh)
+
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         publish: bool = True,
+        tail: TailHit | None = None,
     ) -> list[int] | None:
         """Make room for `num_new_tokens` after the request's computed tokens (plus the hit
-        blocks `new_computed_blocks`, not yet counted in `request.num_computed_tokens`).
-        `publish=False`: the new blocks' contents come from elsewhere later (a remote prefill),
-        so they stay out of the hash map until `publish_blocks`.
+        blocks `new_computed_blocks` and the `tail` hit's tokens, not yet counted in
+        `request.num_computed_tokens`). `publish=False`: the new blocks' contents come from
+        elsewhere later (a remote prefill), so they stay out of the hash map until `publish_blocks`.
 
         Returns the ids of the freshly allocated blocks (maybe []), or None when the pool is
         short; on None nothing changed.
@@ -81,17 +104,30 @@ class KVCacheManager:
         computed = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(computed) * self.block_size
+        if tail is not None:
+            assert num_computed_tokens == (len(req_blocks) + len(computed)) * self.block_size, (
+                "tail after a partial block"
+            )
+            num_computed_tokens += tail.num_tokens
         total = num_computed_tokens + num_new_tokens
         num_new_blocks = max(0, cdiv(total, self.block_size) - len(req_blocks) - len(computed))
-        # Hit blocks that sit in the free queue stop being free once touched.
+        # Hit blocks (and a tail hit's source) that sit in the free queue stop being free once touched.
         num_free_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if tail is not None and tail.block.ref_cnt == 0:
+            num_free_hits += 1
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
         self.block_pool.touch(computed)
         req_blocks.extend(computed)
+        if tail is not None:  # held until the step that copies from it has run
+            self.block_pool.touch([tail.block])
+            self._pinned.append(tail.block)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        if tail is not None:
+            self._copies.append((tail.block.block_id, new_blocks[0].block_id, tail.num_tokens))
+            self.block_pool.prefix_cache_hits += tail.num_tokens
         req_blocks.extend(new_blocks)
         if publish and self.can_share(request):
             self._cache_blocks(request, min(total, request.num_tokens) // self.block_size)
@@ -106,15 +142,58 @@ class KVCacheManager:
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full_blocks <= num_cached:
             return
-        update_block_hashes(request, self.block_size, self.hash_root)
-        self.block_pool.cache_full_blocks(request, self.req_to_blocks[request.request_id], num_cached, num_full_blocks)
+        hashes = update_block_hashes(request, self.block_size, self.hash_root)
+        blocks = self.req_to_blocks[request.request_id]
+        self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks)
         self.num_cached_block[request.request_id] = num_full_blocks
+        tokens, bs = request.all_token_ids, self.block_size
+        for i in range(num_cached, num_full_blocks):
+            block = blocks[i]
+            if block.tail_key is None:  # a hit block is a candidate already
+                key = tail_key(hashes[i - 1] if i else self.hash_root, request.cache_salt, i, tokens[i * bs])
+                self.block_pool.tails.add(block, key, tokens[i * bs : (i + 1) * bs])
+                self._fresh.add(block.block_id)
 
     def free(self, request: Request) -> None:
-        """Release every block of the request, tail first (so its tail is evicted first)."""
+        """Release every block of the request, tail first (so its tail is evicted first). Its
+        partial last block stays a tail-hit candidate until it is reused."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
+        self._remember_partial(request, blocks)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def _remember_partial(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """`num_computed_tokens` counts exactly the KV written (steps run synchronously; a
+        request waiting for remote KV counts only its hits), so its first slots are valid."""
+        if not self.can_share(request):
+            return
+        index, filled = divmod(request.num_computed_tokens, self.block_size)
+        if not filled or index >= len(blocks):
+            return
+        block = blocks[index]
+        if block.block_hash is not None or block.ref_cnt != 1:
+            return
+        hashes = update_block_hashes(request, self.block_size, self.hash_root)
+        start, tokens = index * self.block_size, request.all_token_ids
+        key = tail_key(hashes[index - 1] if index else self.hash_root, request.cache_salt, index, tokens[start])
+        self.block_pool.tails.add(block, key, tokens[start : start + filled])
+
+    # --- tail-hit copies --------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new schedule: blocks published before it hold their KV now."""
+        self._fresh.clear()
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The copies the runner performs before this step's forward."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def release_copy_sources(self) -> None:
+        """The step has run: the blocks copied from are no longer held."""
+        if self._pinned:
+            self.block_pool.free_blocks(self._pinned)
+            self._pinned = []
 
     def trim(self, request: Request, num_tokens: int) -> int | None:
         """Free the request's blocks past those holding its first `num_tokens` tokens (KV of
@@ -173,7 +252,7 @@ class KVCacheManager:
         self.block_pool.check_integrity()
         # Every reference is held by exactly one request's block table.
         refs: dict[int, int] = {}
-        for blocks in self.req_to_blocks.values():
+        for blocks in [*self.req_to_blocks.values(), self._pinned]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.block_pool.blocks:

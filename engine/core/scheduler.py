@@ -196,6 +196,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.kv_cache_manager.begin_step()
         budget = self.config.max_num_batched_tokens
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
@@ -255,6 +256,7 @@ class Scheduler:
                 and len(self.running) + self.num_waiting_for_remote_kv < self.config.max_num_seqs
             ):
                 req = self.waiting[0]
+                tail = None
                 if self._holds_blocks(req):  # its KV arrived (or is recomputed): blocks held
                     hit_blocks, num_hit = [], 0
                 else:
@@ -265,8 +267,10 @@ class Scheduler:
                             break
                         self.waiting.popleft()  # waits in self.remote until its KV arrives
                         continue
+                    tail = self.kv_cache_manager.find_tail(req, len(hit_blocks))
+                    num_hit += tail.num_tokens if tail is not None else 0
                 n = self._num_new_tokens(req, budget, num_hit)
-                block_ids = self.kv_cache_manager.allocate_slots(req, n, hit_blocks)
+                block_ids = self.kv_cache_manager.allocate_slots(req, n, hit_blocks, tail=tail)
                 if block_ids is None:
                     break  # keep policy order: nobody jumps the head of the queue
                 self.waiting.popleft()
@@ -300,6 +304,7 @@ class Scheduler:
         for req in scheduled_new + scheduled_running:
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.kv_copies = self.kv_cache_manager.take_copies()
         out.preempted_request_ids = {r.request_id for r in preempted}
         out.finished_request_ids = self.finished_req_ids
         self.finished_req_ids = set()
@@ -346,6 +351,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        self.kv_cache_manager.release_copy_sources()
         mro = model_runner_output
         index = {rid: i for i, rid in enumerate(mro.request_ids)}
         for rid in scheduler_output.num_scheduled_tokens:

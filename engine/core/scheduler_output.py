@@ -45,6 +45,9 @@ class SchedulerOutput:
     # blocks it keeps, applied before this step's new block ids).
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     truncated_block_tables: dict[str, int] = field(default_factory=dict)
+    # Token-granular prefix hits (engine/core/tail_hits.py): (src block, dst block, n) copies
+    # KV slots [0, n) of src into dst, every layer, before this step's forward.
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

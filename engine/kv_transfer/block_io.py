@@ -1,4 +1,5 @@
-"""The runner half of the KV hand-off: copy whole blocks out of and into one rank's paged cache.
+"""The runner half of the KV hand-off: copy whole blocks out of and into one rank's paged cache
+(and token slots between its blocks, for tail hits).
 
 A rank's cache is one tensor per layer, (2, local kv heads, blocks, block_size, head_dim); a
 rank holds heads [rank * local, (rank + 1) * local) of the model's (column-parallel QKV).
@@ -25,6 +26,16 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: torc
     data = byte_view(data.to(kv_caches[0].device))
     for cache, layer in zip(kv_caches, data.unbind(0)):
         byte_view(cache).index_copy_(2, idx, layer)
+
+
+def copy_slots(kv_caches: list[torch.Tensor], copies: list[tuple[int, int, int]]) -> None:
+    """Tail hits' copy-on-write (engine/core/tail_hits.py): for each (src, dst, n), the first
+    n token slots of block src into block dst, in every layer (in order: a later copy may
+    write a block an earlier one read)."""
+    for cache in kv_caches:
+        c = byte_view(cache)
+        for src, dst, n in copies:
+            c[:, :, dst, :n].copy_(c[:, :, src, :n])
 
 
 def head_slice(data: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -15,11 +15,13 @@ from router.replica_choice.routing_log import routing_log
 log = logging.getLogger(__name__)
 
 
-def tentative(request_id: str, replica: str, policy: str, hashes: Sequence[int], predicted: dict[str, int]) -> None:
+def tentative(
+    request_id: str, replica: str, policy: str, hashes: Sequence[int], predicted: dict[str, int], block_size: int
+) -> None:
     """In the replica choice, for the replica ranked first."""
     local_load.routed(request_id, replica)
     kv_index.add_pending(request_id, replica, hashes)
-    routing_log.proposed(request_id, policy, predicted)
+    routing_log.proposed(request_id, policy, predicted, block_size)
 
 
 def confirmed(request_id: str, replica: str) -> None:

@@ -150,7 +150,9 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         else:
             ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
         if msg is not None:
-            placement.tentative(msg.request_id, ranked[0].replica_id.unique_id, self.policy, hashes, predicted)
+            placement.tentative(
+                msg.request_id, ranked[0].replica_id.unique_id, self.policy, hashes, predicted, self.block_size
+            )
         return [[r] for r in ranked]
 
     def _cache_aware(

@@ -1,6 +1,10 @@
 """What the replica choice decided, per request and per replica: the routed count, the cached
 prompt tokens it predicted and the cached tokens the engine then reported (`/metrics`, tests,
-the debug log), and the time the decisions took."""
+the debug log), and the time the decisions took.
+
+Both counts are in whole blocks: the index predicts full-block hits only. The engine also reuses
+a few tokens of the next block (engine/core/tail_hits.py, always fewer than a block), which its
+own `prefix_cache_hits` and a response's `cached_tokens` include and these leave out."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ class Decision:
     policy: str
     predicted_cached_tokens: int
     actual_cached_tokens: int | None = None
+    block_size: int = 1
 
 
 class RoutingLog:
@@ -24,8 +29,8 @@ class RoutingLog:
         self._lock = threading.Lock()
         self.decisions: collections.OrderedDict[str, Decision] = collections.OrderedDict()
         self.per_replica: dict[str, dict[str, int]] = {}
-        # request id -> (policy, predicted cached tokens per candidate replica), until routed
-        self._proposals: collections.OrderedDict[str, tuple[str, dict[str, int]]] = collections.OrderedDict()
+        # request id -> (policy, predicted cached tokens per candidate replica, block size), until routed
+        self._proposals: collections.OrderedDict[str, tuple[str, dict[str, int], int]] = collections.OrderedDict()
         self.decision_seconds = 0.0
         self.num_decisions = 0
 
@@ -40,19 +45,19 @@ class RoutingLog:
             self.decision_seconds += seconds
             self.num_decisions += 1
 
-    def proposed(self, request_id: str, policy: str, predicted_tokens: dict[str, int]) -> None:
+    def proposed(self, request_id: str, policy: str, predicted_tokens: dict[str, int], block_size: int = 1) -> None:
         """The replica choice ranked the candidates (it may run again for the same request)."""
         with self._lock:
-            self._proposals[request_id] = (policy, predicted_tokens)
+            self._proposals[request_id] = (policy, predicted_tokens, block_size)
             if len(self._proposals) > KEEP:
                 self._proposals.popitem(last=False)
 
     def routed(self, request_id: str, replica: str) -> int:
         """The request runs on `replica` (its `submit` answered): the prediction for that one."""
         with self._lock:
-            policy, predicted = self._proposals.pop(request_id, ("unknown", {}))
+            policy, predicted, block_size = self._proposals.pop(request_id, ("unknown", {}, 1))
             predicted_tokens = predicted.get(replica, 0)
-            self.decisions[request_id] = Decision(replica, policy, predicted_tokens)
+            self.decisions[request_id] = Decision(replica, policy, predicted_tokens, block_size=block_size)
             if len(self.decisions) > KEEP:
                 self.decisions.popitem(last=False)
             c = self._counts(replica)
@@ -61,10 +66,12 @@ class RoutingLog:
             return predicted_tokens
 
     def finished(self, request_id: str, actual_tokens: int) -> None:
+        """`actual_tokens`: the engine's cached tokens for the request, a tail hit's included."""
         with self._lock:
             d = self.decisions.get(request_id)
             if d is None or d.actual_cached_tokens is not None:
                 return
+            actual_tokens -= actual_tokens % d.block_size
             d.actual_cached_tokens = actual_tokens
             self._counts(d.replica)["actual_cached_tokens"] += actual_tokens
 

@@ -48,7 +48,8 @@ def test_stream_mirrors_pool_under_evictions_and_predicts_hits_exactly():
                 apply_events(reader, batch.events)
             assert reader == held(sched) == set(log.snapshot().hashes)
         if sequential and r.num_cached_tokens >= 0:
-            assert r.num_cached_tokens == expect, i  # scheduled alone: the prediction is exact
+            # Scheduled alone: the prediction of whole blocks is exact (a tail hit adds < BS).
+            assert r.num_cached_tokens - r.num_cached_tokens % BS == expect, i
             checked += 1
     evictions = sched.kv_cache_manager.block_pool.num_evictions
     assert checked >= 10 and evictions > 0 and seq > 8  # the ring (capacity 8) was overrun

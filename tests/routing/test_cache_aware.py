@@ -28,6 +28,7 @@ def system_prompt(k: int, words: int = 110) -> str:
     return f"Tenant {k} instructions: " + " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
+BLOCK_SIZE = 16  # the engine's default, which the app keeps
 CACHED: dict[str, int] = {}  # response id -> usage.prompt_tokens_details.cached_tokens
 
 
@@ -75,13 +76,19 @@ def decisions(handle) -> dict[str, dict]:
     return {k.removesuffix("-0") if k.startswith("cmpl-") else k: v for k, v in got.items()}
 
 
+def whole_blocks(tokens: int) -> int:
+    return tokens - tokens % BLOCK_SIZE
+
+
 def check_exact(handle, ids: list[str]) -> list[dict]:
+    """The index predicts whole blocks exactly; a response's cached_tokens may add a tail hit's
+    few tokens of the next block (engine/core/tail_hits.py)."""
     got = decisions(handle)
     rows = [got[i] for i in ids]
     wrong = [
         (i, d, CACHED[i])
         for i, d in zip(ids, rows)
-        if not d["predicted_cached_tokens"] == d["actual_cached_tokens"] == CACHED[i]
+        if not d["predicted_cached_tokens"] == d["actual_cached_tokens"] == whole_blocks(CACHED[i])
     ]
     assert not wrong, wrong
     return rows
@@ -119,6 +126,7 @@ def test_predictions_are_exact_through_evictions_and_restarts(cache_cluster):
     ids += multi_turn(url, 3, 3, seed=2)
     rows = check_exact(handle, ids)
     assert sum(r["predicted_cached_tokens"] > 0 for r in rows) >= len(rows) // 3  # hits were routed to
+    assert any(CACHED[i] % BLOCK_SIZE for i in ids)  # and reused down to the token (later turns)
     assert len({r["replica"] for r in rows}) == 3
     stats = engine_stats(url)
     assert sum(s["num_evictions"] for s in stats) > 0  # the trace evicted blocks
