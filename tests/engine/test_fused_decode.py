@@ -14,6 +14,7 @@ from engine.layers.packed_gemm import small_linear_ops
 from engine.layers.quant.int4 import small_linear_ops as int4_small_linear_ops
 from engine.layers.quant.int4 import small_rows
 from engine.model.fused_decode import FusedDecode
+from tests.engine.gil import Spinner
 from tests.engine.test_tiny_models import _save_tiny
 
 PROMPTS = [
@@ -111,3 +112,33 @@ def test_fused_decode_with_qkv_bias(monkeypatch, tmp_path, smollm_tokenizer, qua
     assert got == want
     if _fused_expected(kw):
         assert len(fused_steps) > 10
+
+
+class _TimedProgram:
+    """The fused call's C++ program with each `run` timed (the Python around it excluded)."""
+
+    def __init__(self, program, spin: Spinner) -> None:
+        self.program, self.spin = program, spin
+
+    def run(self, *args):
+        return self.spin.timed(lambda: self.program.run(*args))
+
+
+def test_a_fused_step_lets_other_python_threads_run():
+    """A served decode step is one C++ call of ~10-20 ms: it drops the GIL, so the replica's
+    asyncio loop hands the previous step's tokens over meanwhile instead of one step late."""
+    llm = LLM(num_threads=2, num_blocks=64, block_size=16, dtype="bfloat16")
+    try:
+        model = llm.engine.core.executor.runner.model.model
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)  # builds the fused program where it applies
+        if model._fused is None:
+            assert not _fused_expected({"dtype": "bfloat16"})
+            return
+        with Spinner() as spin:
+            model._fused.program = _TimedProgram(model._fused.program, spin)
+            llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        assert len(spin.calls) >= 20
+        assert spin.stamps_inside(min_seconds=0.002) > 0, spin.calls
+    finally:
+        llm.shutdown()

@@ -26,19 +26,25 @@ static std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention");
+  // The ops that run for a while drop the GIL (as PyTorch's own ops do): in a serving replica the
+  // asyncio loop that hands a step's tokens to the output channel and takes new requests runs
+  // beside the step instead of waiting for it to end. The short elementwise ops keep it, so the
+  // step thread does not queue for the GIL after each of them.
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, "paged decode attention", nogil);
   m.def("write_kv", &write_kv, "write K/V rows into the paged cache at their slots");
   m.def("write_kv_int8", &write_kv_int8, "quantize K/V rows (per-row float16 scale) into the int8 paged cache");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax (first index of the max, NaN first) for float32/bfloat16");
-  m.def("prefill_attention", &prefill_attention, "causal attention of a step's prompt chunks over the paged cache; false if not applicable");
+  m.def("prefill_attention", &prefill_attention, "causal attention of a step's prompt chunks over the paged cache; false if not applicable", nogil);
   m.def("rms_norm", &rms_norm, "in place: residual += x, x = weight * rmsnorm(residual); false if not applicable");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over [gate | up] rows; false if not applicable");
   m.def("rotary", &rotary, "in place neox rotary embedding of the first heads of each row; false if not applicable");
-  m.def("small_linear", &small_linear, "out = x . w^T + bias for a few rows (float32/bf16 weights); false if not applicable");
+  m.def("small_linear", &small_linear, "out = x . w^T + bias for a few rows (float32/bf16 weights); false if not applicable", nogil);
   m.def("int4_small_linear", &int4_small_linear,
-        "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable");
+        "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable", nogil);
   m.def("int4_dequantize", &int4_dequantize,
-        "out[k, n] = bf16 or float32 weight of PyTorch's CPU int4 pack (transposed) for a prompt-sized GEMM; false if not applicable");
+        "out[k, n] = bf16 or float32 weight of PyTorch's CPU int4 pack (transposed) for a prompt-sized GEMM; false if not applicable",
+        nogil);
   m.def("isa", &isa, "vector path compiled in");
   bind_decode_layers(m);
 }

@@ -121,5 +121,7 @@ void bind_decode_layers(pybind11::module& m) {
                           std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
                           std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double,
                           double, torch::Tensor, torch::Tensor>())
-      .def("run", &DecodeLayers::run, "the decoder layers for a decode-only step of a few rows");
+      // Without the GIL for the whole step (see bindings.cpp).
+      .def("run", &DecodeLayers::run, "the decoder layers for a decode-only step of a few rows",
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
