@@ -65,6 +65,12 @@ class BlockPool:
         self.num_evictions += 1
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a block out of the hash map (and the tail index) now: its contents will not be
+        what its hash says (published for a step whose tokens were given back)."""
+        if self._evict(block):
+            self.num_evictions -= 1  # not an eviction: the block never held those tokens
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on hit blocks; a free one leaves the free queue (it is in use now)."""
         for block in blocks:

@@ -159,8 +159,19 @@ class KVCacheManager:
         partial last block stays a tail-hit candidate until it is reused."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_block.pop(request.request_id, None)
+        self._unpublish_unwritten(request, blocks)
         self._remember_partial(request, blocks)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def _unpublish_unwritten(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Blocks are published when scheduled to be filled. A request preempted in the step that
+        scheduled them (priority policy: a victim already scheduled gives its tokens back) never
+        fills them, so its blocks past `num_computed_tokens` leave the hash map before they are
+        freed: a later hit (the victim itself, resumed) would read KV that was never written."""
+        for i in range(request.num_computed_tokens // self.block_size, len(blocks)):
+            block = blocks[i]
+            if block.block_hash is not None and block.ref_cnt == 1:
+                self.block_pool.uncache(block)
 
     def _remember_partial(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """`num_computed_tokens` counts exactly the KV written (steps run synchronously; a

@@ -242,6 +242,35 @@ def test_priority_preempts_already_scheduled_victim():
     assert "high" in res and res["high"]["finish"] == "length" and all_free(s)
 
 
+def test_a_victim_preempted_in_its_own_step_unpublishes_the_blocks_it_never_filled():
+    """Blocks are published when scheduled. "low" schedules a prompt chunk that fills blocks 5
+    and 6, then "high" needs a block and preempts it in the same step: the chunk never runs, so
+    those hashes must leave the map (block 6 is reused by "high" at once; block 5 is not), or
+    "low" resumed would hit its own never-written KV."""
+    s = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=64,
+            policy="priority",
+            long_prefill_token_threshold=8,
+        ),
+        CacheConfig(block_size=BS, enable_prefix_caching=True),
+        7,
+    )
+    prompt = list(range(100, 124))
+    s.add_request(make_req("low", prompt, max_tokens=4, arrival=0, priority=5))
+    step(s)  # chunk 1: blocks 0, 1
+    s.add_request(make_req("high", range(4), max_tokens=8, arrival=1, priority=0))
+    step(s)  # low's chunk 2 (blocks 2, 3) and high's prompt (block 4)
+    so, _ = step(s)  # low schedules chunk 3 (blocks 5, 6), high's decode needs a block: low goes
+    assert so.preempted_request_ids == {"low"} and so.num_scheduled_tokens == {"high": 1}
+    probe = make_req("probe", prompt + [1])
+    assert s.kv_cache_manager.get_computed_blocks(probe)[1] == 16  # the two chunks that ran
+    res = run_all(s)
+    assert res["low"]["finish"] == "length" and res["high"]["finish"] == "length" and all_free(s)
+
+
 def test_priority_policy_order():
     s = make_sched(max_seqs=1, policy="priority")
     s.add_request(make_req("late_low", range(4), max_tokens=1, arrival=0, priority=3))
