@@ -194,7 +194,7 @@ def aggregate(replica_stats: list[dict]) -> dict:
 ROUTING_COUNTERS = {
     "routed": "Requests this router sent to the engine replica.",
     "predicted_cached_tokens": "Prompt tokens the router predicted cached on the replica it chose (cache-aware).",
-    "actual_cached_tokens": "Prompt tokens the engine replica reported as prefix-cache hits for those requests.",
+    "actual_cached_tokens": "Prompt tokens the engine replica reported as prefix-cache hits for those requests, in whole blocks.",
 }
 
 
