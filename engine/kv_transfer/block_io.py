@@ -30,8 +30,8 @@ def write_blocks(kv_caches: list[torch.Tensor], block_ids: list[int], data: torc
 
 def copy_slots(kv_caches: list[torch.Tensor], copies: list[tuple[int, int, int]]) -> None:
     """Tail hits' copy-on-write (engine/core/tail_hits.py): for each (src, dst, n), the first
-    n token slots of block src into block dst, in every layer (in order: a later copy may
-    write a block an earlier one read)."""
+    n token slots of block src into block dst, in every layer. The scheduler holds every src
+    until the step has run, so no copy's dst is another's src."""
     for cache in kv_caches:
         c = byte_view(cache)
         for src, dst, n in copies:
