@@ -46,12 +46,14 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, block
-            self._evict(block)
+            if self._unhash(block):
+                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
 
-    def _evict(self, block: KVCacheBlock) -> bool:
+    def _unhash(self, block: KVCacheBlock) -> bool:
+        """Take the block out of the hash map and the tail index; True if it had a hash."""
         self.tails.drop(block)
         if block.block_hash is None:
             return False
@@ -62,14 +64,13 @@ class BlockPool:
                 del self.cached_block_hash_to_block[block.block_hash]
                 self.events.removed(block.block_hash)
         block.block_hash = None
-        self.num_evictions += 1
         return True
 
     def uncache(self, block: KVCacheBlock) -> None:
         """Take a block out of the hash map (and the tail index) now: its contents will not be
-        what its hash says (published for a step whose tokens were given back)."""
-        if self._evict(block):
-            self.num_evictions -= 1  # not an eviction: the block never held those tokens
+        what its hash says (published for a step whose tokens were given back). Not counted as
+        an eviction: the block never held those tokens."""
+        self._unhash(block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on hit blocks; a free one leaves the free queue (it is in use now)."""

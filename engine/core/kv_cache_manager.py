@@ -80,10 +80,13 @@ class KVCacheManager:
         limit = min(request.num_tokens - 1 - start, self.block_size)
         if limit <= 0:
             return None
-        tokens = request.all_token_ids
-        parent = request.block_hashes[num_hit_blocks - 1] if num_hit_blocks else self.hash_root
-        key = tail_key(parent, request.cache_salt, num_hit_blocks, tokens[start])
-        return self.block_pool.tails.longest(key, tokens[start : start + limit], self._fresh)
+        want = request.all_token_ids[start : start + limit]
+        return self.block_pool.tails.longest(self._tail_key(request, num_hit_blocks), want, self._fresh)
+
+    def _tail_key(self, request: Request, index: int) -> tuple:
+        """The tail-index key of the request's block `index` (its block hashes cover index - 1)."""
+        parent = request.block_hashes[index - 1] if index else self.hash_root
+        return tail_key(parent, request.cache_salt, index, request.all_token_ids[index * self.block_size])
 
     def allocate_slots(
         self,
@@ -142,7 +145,7 @@ class KVCacheManager:
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full_blocks <= num_cached:
             return
-        hashes = update_block_hashes(request, self.block_size, self.hash_root)
+        update_block_hashes(request, self.block_size, self.hash_root)
         blocks = self.req_to_blocks[request.request_id]
         self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks)
         self.num_cached_block[request.request_id] = num_full_blocks
@@ -150,8 +153,7 @@ class KVCacheManager:
         for i in range(num_cached, num_full_blocks):
             block = blocks[i]
             if block.tail_key is None:  # a hit block is a candidate already
-                key = tail_key(hashes[i - 1] if i else self.hash_root, request.cache_salt, i, tokens[i * bs])
-                self.block_pool.tails.add(block, key, tokens[i * bs : (i + 1) * bs])
+                self.block_pool.tails.add(block, self._tail_key(request, i), tokens[i * bs : (i + 1) * bs])
                 self._fresh.add(block.block_id)
 
     def free(self, request: Request) -> None:
@@ -184,10 +186,9 @@ class KVCacheManager:
         block = blocks[index]
         if block.block_hash is not None or block.ref_cnt != 1:
             return
-        hashes = update_block_hashes(request, self.block_size, self.hash_root)
-        start, tokens = index * self.block_size, request.all_token_ids
-        key = tail_key(hashes[index - 1] if index else self.hash_root, request.cache_salt, index, tokens[start])
-        self.block_pool.tails.add(block, key, tokens[start : start + filled])
+        update_block_hashes(request, self.block_size, self.hash_root)
+        start = index * self.block_size
+        self.block_pool.tails.add(block, self._tail_key(request, index), request.all_token_ids[start : start + filled])
 
     # --- tail-hit copies --------------------------------------------------------------------
 
