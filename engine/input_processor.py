@@ -9,6 +9,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_config import ModelConfig
 from engine.request import Request, child_request_ids
 from engine.sampling_params import SamplingParams
+from engine.structured.matcher import GrammarTokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,6 +62,7 @@ class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, model_config: ModelConfig, prefix_caching: bool) -> None:
         self.tokenizer, self.mc, self.prefix_caching = tokenizer, model_config, prefix_caching
         self._template_vars: frozenset[str] | None = None
+        self.grammar_tokenizer = GrammarTokenizer(tokenizer, model_config.vocab_size, model_config.eos_token_ids)
 
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -120,7 +122,14 @@ class InputProcessor:
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     def check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Raises PromptTooLongError unless prompt + output fit the context; returns max_tokens."""
+        """Raises PromptTooLongError unless prompt + output fit the context, InvalidRequestError
+        for a logit_bias token outside the vocabulary; returns max_tokens."""
+        v = self.mc.vocab_size
+        bad = [t for t in params.logit_bias or {} if not 0 <= t < v]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token {bad[0]} is outside the vocabulary [0, {v})", param="logit_bias"
+            )
         p, limit = len(prompt_ids), self.mc.max_model_len
         if p >= limit:
             raise PromptTooLongError(
@@ -167,6 +176,11 @@ class InputProcessor:
             # Siblings share prompt blocks through the hash map even with prefix caching off.
             salt = None if self.prefix_caching or params.n == 1 else f"n:{request_id}"
             kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+            so = sp.structured_output
+            if so is not None:  # each sequence its own place in the grammar
+                kw["grammar"] = self.grammar_tokenizer.matcher(so.grammar, so.param)
+                if resume is not None and not kw["grammar"].accept_all(resume[rid]):
+                    raise InvalidRequestError(f"{so.param}: the output to resume does not match", param=so.param)
             reqs.append(
                 Request(
                     rid,

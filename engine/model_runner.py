@@ -270,21 +270,24 @@ class ModelRunner:
             for st in states:
                 st.spec_token_ids = []
             return None
-        return self._sample(batch, by_id, sample_idx, logits, num_sample_rows, prompt_lp)
+        return self._sample(batch, by_id, sample_idx, logits, num_sample_rows, prompt_lp, so.grammar_bitmasks)
 
-    def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor):
+    def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmasks: dict):
         """One sampler row per scored position: a request's position j (after j drafts) sees
-        the drafts before it as output (penalties, min_tokens) and draws from the generator of
-        output position len(output) + j, so every draw is keyed by the token it decides."""
-        params, prompts, outputs, gens = [], [], [], []
+        the drafts before it as output (penalties, min_tokens), draws from the generator of
+        output position len(output) + j, so every draw is keyed by the token it decides, and
+        takes row j of its grammar's bitmasks (the scheduler's, for these very drafts)."""
+        params, prompts, outputs, gens, masks = [], [], [], [], []
         for s in sts:
             seed, n_out = s.sampling_params.seed, len(s.output_token_ids)
+            bm = grammar_bitmasks.get(s.request_id)
             for j in range(1 + len(s.spec_token_ids)):
                 params.append(s.sampling_params)
                 prompts.append(s.prompt_token_ids)
                 outputs.append(s.output_token_ids + s.spec_token_ids[:j] if j else s.output_token_ids)
                 gens.append(None if seed is None else _step_generator(seed, n_out + j, logits.device))
-        md = SamplingMetadata.build(params, prompts, outputs, gens, [self._eos] * len(params), self.device)
+                masks.append(None if bm is None else bm[j])
+        md = SamplingMetadata.build(params, prompts, outputs, gens, [self._eos] * len(params), self.device, masks)
         res = self.sampler(logits, md)
         return res, res.sampled_token_ids.tolist()
 
@@ -305,12 +308,12 @@ class ModelRunner:
         return out
 
     def _sample(
-        self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, ns: int, prompt_lp
+        self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, ns: int, prompt_lp, bitmasks
     ) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         if ns:
             sts = [by_id[batch.request_ids[k]] for k in sample_idx]
-            res, tokens = self._sample_positions(sts, logits[:ns])
+            res, tokens = self._sample_positions(sts, logits[:ns], bitmasks)
             row = 0
             for s in sts:
                 emitted, lps = accept_drafts(s.spec_token_ids, tokens, res.logprobs, row)

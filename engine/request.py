@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.matcher import GrammarMatcher
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -75,6 +79,8 @@ class Request:
     # Disaggregated serving (engine/kv_transfer/), prefill side: read out blocks from this index
     # on at finish.
     kv_export_first_block: int | None = None
+    # Structured outputs (engine/structured/): where the output stands in its grammar.
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

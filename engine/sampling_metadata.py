@@ -36,6 +36,10 @@ class SamplingMetadata:
     output_token_ids: torch.Tensor | None = None  # [B, Lo] int64, padded with -1
     # (row, token) pairs whose logits are set to -inf because output length < min_tokens.
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = None
+    # logit_bias: (rows, token ids, biases) added to the logits before anything else.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Structured outputs: (rows, [R, ceil(V/32)] int32 bitmask of the tokens each may take).
+    allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     # Logprobs: per-row k (None = not requested) and the batch maximum (None = nobody asked).
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -47,7 +51,13 @@ class SamplingMetadata:
     @property
     def needs_processing(self) -> bool:
         """False when sampled ids are just argmax of the raw logits."""
-        return not (self.all_greedy and self.no_penalties and self.min_tokens_block is None)
+        return not (
+            self.all_greedy
+            and self.no_penalties
+            and self.min_tokens_block is None
+            and self.logit_bias is None
+            and self.allowed_tokens is None
+        )
 
     @classmethod
     def build(
@@ -58,7 +68,10 @@ class SamplingMetadata:
         generators: list[torch.Generator | None] | None = None,
         eos_token_ids: list[int | list[int] | None] | None = None,
         device: torch.device | str = "cpu",
+        bitmasks: list[torch.Tensor | None] | None = None,
     ) -> "SamplingMetadata":
+        """`bitmasks`: per row, the allowed tokens of a structured output ([ceil(V/32)] int32)
+        or None."""
         b = len(params)
         generators = list(generators) if generators is not None else [None] * b
         eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else [None] * b
@@ -120,6 +133,21 @@ class SamplingMetadata:
             md.min_tokens_block = (
                 torch.tensor(rows, dtype=torch.int64, device=device),
                 torch.tensor(cols, dtype=torch.int64, device=device),
+            )
+
+        bias = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
+        if bias:
+            r, t, v = zip(*bias)
+            md.logit_bias = (
+                torch.tensor(r, dtype=torch.int64, device=device),
+                torch.tensor(t, dtype=torch.int64, device=device),
+                f32(list(v)),
+            )
+        masked = [i for i, m in enumerate(bitmasks or []) if m is not None]
+        if masked:
+            md.allowed_tokens = (
+                torch.tensor(masked, dtype=torch.int64, device=device),
+                torch.stack([bitmasks[i] for i in masked]).to(device),
             )
 
         md.num_logprobs = [p.logprobs for p in params]

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured.spec import StructuredOutput
 
 _GREEDY_EPS = 1e-5
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -31,6 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0: only the sampled one)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    structured_output: StructuredOutput | None = None  # the output must match it (engine/structured/)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +88,18 @@ class SamplingParams:
                 raise bad(name, f"must be an integer in [0, 20], got {v!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r}")
+        if self.logit_bias is not None and len(self.logit_bias) > 1024:
+            raise bad("logit_bias", "accepts at most 1024 tokens")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise bad("structured_output", "must be a StructuredOutput")
+            if self.min_tokens:  # it would block the end token where the grammar allows only that
+                raise bad("min_tokens", "cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

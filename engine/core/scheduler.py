@@ -29,6 +29,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_length import StepCostModel
 from engine.spec_decode.drafting import Drafting
 from engine.stats import EngineStats
+from engine.structured.matcher import step_bitmasks
 
 if TYPE_CHECKING:
     from engine.spec_decode.draft_model import DraftModelProposer
@@ -213,6 +214,8 @@ class Scheduler:
                 i += 1
                 continue
             draft = drafts.get(req.request_id)
+            if draft and req.grammar is not None:  # only drafts its grammar allows
+                draft = draft[: req.grammar.valid_prefix(draft)]
             if draft:
                 draft = draft[: budget - n]  # the token budget counts draft tokens
                 block_ids = self.kv_cache_manager.allocate_slots(req, n + len(draft)) if draft else None
@@ -304,6 +307,7 @@ class Scheduler:
         for req in scheduled_new + scheduled_running:
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        out.grammar_bitmasks = step_bitmasks(scheduled_new + scheduled_running, out.scheduled_spec_tokens)
         out.kv_copies = self.kv_cache_manager.take_copies()
         out.preempted_request_ids = {r.request_id for r in preempted}
         out.finished_request_ids = self.finished_req_ids
@@ -388,6 +392,7 @@ class Scheduler:
                         prompt_logprobs=prompt_lps,
                         finish_reason=req.status.finish_reason if stopped else None,
                         stop_reason=req.stop_reason if stopped else None,
+                        error=req.grammar.error if stopped and req.grammar is not None else None,
                         num_cached_tokens=max(req.num_cached_tokens, 0),
                         queue_time=(req.first_scheduled_time - req.arrival_time)
                         if new_tokens and req.num_output_tokens == len(new_tokens)
@@ -408,6 +413,16 @@ class Scheduler:
     def _check_stop(self, req: Request) -> bool:
         """Stop conditions after one appended token; sets status and stop_reason."""
         sp = req.sampling_params
+        if req.grammar is not None:
+            last = req.output_token_ids[-1]
+            if not req.grammar.accept(last):  # masked out: never expected
+                req.status = RequestStatus.FINISHED_ERROR
+                return True
+            # Once complete the grammar allows only an end token; it ends the request even
+            # with ignore_eos (nothing may follow). Other ends stay tokens of the text.
+            if req.grammar.is_stopped() and (last == req.eos_token_id or last in sp.stop_token_ids):
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
         if req.num_output_tokens >= sp.min_tokens:
             last = req.output_token_ids[-1]
             if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:

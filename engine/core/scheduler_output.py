@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -48,6 +50,9 @@ class SchedulerOutput:
     # Token-granular prefix hits (engine/core/tail_hits.py): (src block, dst block, n) copies
     # KV slots [0, n) of src into dst, every layer, before this step's forward.
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # Structured outputs: request id -> [1 + drafts, ceil(V/32)] int32 bitmasks of the tokens
+    # its sampled positions may take (engine/structured/matcher.py).
+    grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

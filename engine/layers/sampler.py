@@ -1,6 +1,6 @@
 """Sampler: logits [B, V] -> one token id per row (+ logprobs of the raw distribution).
 
-Order: raw logprobs, min_tokens blocking, repetition penalty, presence/frequency penalties,
+Order: raw logprobs, logit_bias, the structured-output mask, min_tokens blocking, repetition penalty, presence/frequency penalties,
 temperature, top-k, top-p, min-p, sample. Greedy rows take argmax (ties -> lowest id).
 Random rows use the exponential race argmax(p / q), q ~ Exp(1): a seeded row draws q from its
 own generator only, so its result does not depend on the rest of the batch.
@@ -41,6 +41,8 @@ class Sampler(torch.nn.Module):
         if not md.needs_processing:
             sampled = argmax_rows(logits)
         else:
+            apply_logit_bias(logits, md)
+            apply_allowed_tokens(logits, md)
             apply_min_tokens(logits, md)
             apply_penalties(logits, md)
             if md.all_greedy:
@@ -73,6 +75,26 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         if ops is not None:
             return ops.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    if md.logit_bias is not None:
+        rows, cols, vals = md.logit_bias
+        keep = cols < logits.shape[1]
+        logits.index_put_((rows[keep], cols[keep]), vals[keep], accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """-inf for every token a row's bitmask leaves out (bit t % 32 of word t // 32)."""
+    if md.allowed_tokens is None:
+        return
+    rows, words = md.allowed_tokens
+    v = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)
+    if allowed.shape[1] < v:  # a bitmask narrower than the logits allows none of the rest
+        allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :v], _NEG_INF)
 
 
 def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:

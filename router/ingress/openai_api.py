@@ -15,6 +15,7 @@ from typing import AsyncIterator
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
@@ -22,9 +23,42 @@ from router.ingress.openai_models import ChatCompletionRequest, CompletionReques
 from router.ingress.streams import collect, merge
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for k, v in bias.items():
+        try:
+            out[int(k)] = v
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
+    return out
+
+
+def _structured(req) -> StructuredOutput | None:
+    """OpenAI's response_format (json_object, json_schema) or the structured_outputs extension."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.type != "text":
+        if so is not None:
+            raise InvalidRequestError("set response_format or structured_outputs, not both", param="response_format")
+        if rf.type == "json_schema":
+            if rf.json_schema is None:
+                raise InvalidRequestError("response_format json_schema needs 'json_schema'", param="response_format")
+            return StructuredOutput("json", rf.json_schema.schema_ or {}, param="response_format")
+        return StructuredOutput("json_object", param="response_format")
+    if so is None:
+        return None
+    given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None and v is not False}
+    if len(given) != 1:
+        raise InvalidRequestError(
+            "structured_outputs takes exactly one of json, json_object, regex, choice, grammar",
+            param="structured_outputs",
+        )
+    ((kind, value),) = given.items()
+    return StructuredOutput(kind, value)
+
+
 def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    if req.logit_bias:
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     return SamplingParams(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -44,6 +78,8 @@ def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+        structured_output=_structured(req),
     )
 
 
@@ -217,8 +253,6 @@ class OpenAIServing:
         name = self.check_model(req.model, served_as)
         if req.tools:
             raise InvalidRequestError("tools are not supported", param="tools")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -29,6 +29,26 @@ MaxTokens = Annotated[int, Field(ge=1)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 
 
+class JsonSchemaFormat(_Request):
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON schema; none: any JSON.")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    json_object: bool | None = Field(None, description="true: any JSON object.")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, description="A Lark or GBNF grammar.")
+
+
 class _SamplingFields(_Request):
     """Fields both endpoints share; names as in the OpenAI API (+ vLLM extensions)."""
 
@@ -50,9 +70,15 @@ class _SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0, description="Extension.")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, in [-100, 100]."
+    )
     user: str | None = None
     priority: int = Field(0, description="Extension: lower runs first under the priority policy.")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extension (vLLM's): the output must match exactly one of these."
+    )
 
 
 class CompletionRequest(_SamplingFields):
@@ -84,17 +110,12 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: MaxTokens | None = Field(None, description="Deprecated alias of max_completion_tokens.")
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

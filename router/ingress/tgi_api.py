@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.streams import collect
@@ -20,8 +21,8 @@ from router.ingress.tgi_models import Details, GenerateParameters, GenerateReque
 
 
 def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParams:
-    # GenerateParameters' own bounds refuse grammar, best_of > 1, temperature <= 0, top_n_tokens
-    # outside [0, 20] (and the schema says so); SamplingParams checks the rest.
+    # GenerateParameters' own bounds refuse best_of > 1, temperature <= 0, top_n_tokens outside
+    # [0, 20] (and the schema says so); SamplingParams and StructuredOutput check the rest.
     sample = (
         p.do_sample
         or (p.temperature not in (None, 1.0))
@@ -42,6 +43,7 @@ def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParam
         include_stop_str_in_output=True,
         logprobs=logprobs,
         prompt_logprobs=0 if p.decoder_input_details else None,
+        structured_output=StructuredOutput(p.grammar.type, p.grammar.value, param="grammar") if p.grammar else None,
     )
 
 

@@ -6,9 +6,16 @@ Field names and defaults follow text-generation-inference, which is what
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class Grammar(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["json", "regex"]
+    value: dict[str, Any] | str = Field(..., description="json: a JSON schema; regex: a regular expression.")
 
 
 class GenerateParameters(BaseModel):
@@ -32,7 +39,7 @@ class GenerateParameters(BaseModel):
     best_of: Literal[1] | None = Field(None, description="Only 1 (no best-of sampling).")
     truncate: int | None = None
     watermark: bool = False
-    grammar: None = Field(None, description="Not supported: must be null.")
+    grammar: Grammar | None = Field(None, description="The output must match a JSON schema or a regex.")
     adapter_id: str | None = None
 
 

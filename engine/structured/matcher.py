@@ -1,0 +1,98 @@
+"""A request's place in its grammar (llguidance's matcher), and the tokenizer view it needs.
+
+The scheduler owns one `GrammarMatcher` per constrained request (engine/request.py): it
+computes the allowed-token bitmask of each position a step samples (the next token, and each
+draft position of a speculative step) and consumes the tokens the step emits. So the state
+lives with the request, not with a model runner: preemption, tensor parallelism and a
+resumed request need nothing more.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per bitmask row: one bit per token id."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarTokenizer:
+    """llguidance's view of the model's tokenizer, built on first use (~0.5 s for SmolLM2's
+    49152 tokens) and shared by every matcher of the engine. `vocab_size` is the model's
+    (the logits' width): ids past the tokenizer's own are never allowed."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._hf, self.vocab_size, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
+        self._ll = None
+        self._lock = threading.Lock()
+
+    def get(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
+                except ValueError as e:  # a slow (Python) tokenizer
+                    raise InvalidRequestError(f"structured outputs need a fast tokenizer: {e}") from None
+            return self._ll
+
+    def matcher(self, grammar: str, param: str) -> GrammarMatcher:
+        return GrammarMatcher(self.get(), grammar, self.vocab_size, param)
+
+
+class GrammarMatcher:
+    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int, param: str) -> None:
+        from llguidance import LLMatcher
+
+        self._m = LLMatcher(ll_tokenizer, grammar, log_level=0)
+        self.width = bitmask_width(vocab_size)
+        if self._m.is_error():  # the grammar was valid alone, but not with this tokenizer
+            raise InvalidRequestError(f"{param}: {self._m.get_error()[:500]}", param=param)
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
+
+    def is_stopped(self) -> bool:
+        """Nothing may follow (the grammar ended, or its end token was consumed)."""
+        return self._m.is_stopped()
+
+    def accept(self, token_id: int) -> bool:
+        """Consume one emitted token; False (and an error state) if the grammar refuses it."""
+        return self._m.consume_token(token_id)
+
+    def accept_all(self, token_ids: list[int]) -> bool:
+        return all(self.accept(t) for t in token_ids)
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many of these draft tokens the grammar allows in a row from here."""
+        return self._m.validate_tokens(drafts) if drafts else 0
+
+    def bitmasks(self, drafts: list[int]) -> torch.Tensor:
+        """[1 + len(drafts), width] int32: the tokens allowed at the next position and after
+        each draft (drafts must be a valid prefix). The drafts go through a copy: rolling back
+        is not exact once the grammar has ended (an end token consumed then is not counted)."""
+        out = torch.empty(1 + len(drafts), self.width, dtype=torch.int32)
+        nbytes = self.width * 4
+        m = self._m.deep_copy() if drafts else self._m
+        for j in range(1 + len(drafts)):
+            m.unsafe_compute_mask_ptr(out[j].data_ptr(), nbytes)
+            if j < len(drafts) and not m.consume_token(drafts[j]):
+                raise RuntimeError(f"draft token {drafts[j]} is outside the grammar")
+        return out
+
+
+def step_bitmasks(scheduled: list, spec_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The bitmasks of a step's constrained requests that sample in it (their scheduled tokens
+    reach the end of what they have), one row per scored position."""
+    return {
+        r.request_id: r.grammar.bitmasks(spec_tokens.get(r.request_id, []))
+        for r in scheduled
+        if r.grammar is not None and r.num_computed_tokens >= r.num_tokens
+    }
