@@ -22,6 +22,7 @@ _EXPORTS = {
     "LLMEngine": "engine.llm_engine",
     "EngineArgs": "engine.engine_args",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutput": "engine.structured.spec",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",

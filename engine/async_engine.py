@@ -100,7 +100,7 @@ class AsyncEngine:
         self._check_alive()
         rid = request_id or self.engine.next_request_id()
         text, ids = self.engine.inputs.tokenize(prompt)
-        reqs = self.engine.inputs.make_requests(rid, ids, params, priority)
+        reqs = await self._make_requests(params, rid, ids, params, priority)
         children = [r.request_id for r in reqs]
         stream = self._open(rid, children)
         self._submit(("add_text", rid, text, ids, params, reqs))
@@ -121,9 +121,8 @@ class AsyncEngine:
         `kv_export_first_block` (a prefill engine): the finishing output carries the request's KV
         from that block on (`EngineCoreOutput.kv_blocks`)."""
         self._check_alive()
-        reqs = self.engine.inputs.make_requests(
-            request_id, self.engine.inputs.check_token_ids(prompt_token_ids), params, priority, arrival_time, resume
-        )
+        ids = self.engine.inputs.check_token_ids(prompt_token_ids)
+        reqs = await self._make_requests(params, request_id, ids, params, priority, arrival_time, resume)
         for r in reqs:
             r.kv_export_first_block = kv_export_first_block
         children = [r.request_id for r in reqs]
@@ -134,6 +133,13 @@ class AsyncEngine:
         self._submit(("add_tokens", reqs))
         async for item in self._drain(request_id, stream, children):
             yield item
+
+    async def _make_requests(self, params: SamplingParams, *args) -> list:
+        """`inputs.make_requests`; off the event loop for a structured output, whose first use
+        builds the grammar tokenizer (~0.5 s) and whose grammar may take long to build."""
+        if params.structured_output is None:
+            return self.engine.inputs.make_requests(*args)
+        return await asyncio.to_thread(self.engine.inputs.make_requests, *args)
 
     def load_kv(self, child_id: str, blocks: KVBlocks) -> None:
         """A remote prefill's KV for a sequence waiting for it (decode side)."""

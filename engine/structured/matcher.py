@@ -10,10 +10,15 @@ resumed request need nothing more.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from llguidance import LLTokenizer
+    from transformers import PreTrainedTokenizerBase
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -26,12 +31,12 @@ class GrammarTokenizer:
     49152 tokens) and shared by every matcher of the engine. `vocab_size` is the model's
     (the logits' width): ids past the tokenizer's own are never allowed."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._hf, self.vocab_size, self._eos = hf_tokenizer, vocab_size, list(eos_token_ids)
         self._ll = None
         self._lock = threading.Lock()
 
-    def get(self):
+    def get(self) -> LLTokenizer:
         with self._lock:
             if self._ll is None:
                 import llguidance.hf
@@ -47,7 +52,7 @@ class GrammarTokenizer:
 
 
 class GrammarMatcher:
-    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int, param: str) -> None:
+    def __init__(self, ll_tokenizer: LLTokenizer, grammar: str, vocab_size: int, param: str) -> None:
         from llguidance import LLMatcher
 
         self._m = LLMatcher(ll_tokenizer, grammar, log_level=0)
