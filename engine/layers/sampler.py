@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kernels.cpu_ops import load_cpu_ops
@@ -90,11 +91,12 @@ def apply_allowed_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
         return
     rows, words = md.allowed_tokens
     v = logits.shape[1]
-    bits = torch.arange(32, dtype=torch.int32, device=words.device)
-    allowed = ((words.unsqueeze(-1) >> bits) & 1).bool().view(words.shape[0], -1)
-    if allowed.shape[1] < v:  # a bitmask narrower than the logits allows none of the rest
-        allowed = torch.nn.functional.pad(allowed, (0, v - allowed.shape[1]))
-    logits[rows] = logits[rows].masked_fill(~allowed[:, :v], _NEG_INF)
+    # Little-endian words: byte order and numpy's little bit order give token order.
+    bits = np.unpackbits(words.cpu().numpy().view(np.uint8), axis=1, bitorder="little")
+    if bits.shape[1] < v:  # a bitmask narrower than the logits allows none of the rest
+        bits = np.pad(bits, ((0, 0), (0, v - bits.shape[1])))
+    refused = torch.from_numpy(bits[:, :v]).to(logits.device) == 0
+    logits[rows] = logits[rows].masked_fill_(refused, _NEG_INF)
 
 
 def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:

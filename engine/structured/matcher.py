@@ -9,6 +9,7 @@ resumed request need nothing more.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING
 
@@ -95,9 +96,25 @@ class GrammarMatcher:
 
 def step_bitmasks(scheduled: list, spec_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """The bitmasks of a step's constrained requests that sample in it (their scheduled tokens
-    reach the end of what they have), one row per scored position."""
-    return {
-        r.request_id: r.grammar.bitmasks(spec_tokens.get(r.request_id, []))
-        for r in scheduled
-        if r.grammar is not None and r.num_computed_tokens >= r.num_tokens
-    }
+    reach the end of what they have), one row per scored position. Requests without drafts
+    get theirs in one parallel call (llguidance's executor threads, the GIL dropped)."""
+    sampling = [r for r in scheduled if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
+    plain = [r for r in sampling if not spec_tokens.get(r.request_id)]
+    out = {r.request_id: r.grammar.bitmasks(spec_tokens[r.request_id]) for r in sampling if r not in plain}
+    if len(plain) == 1:
+        out[plain[0].request_id] = plain[0].grammar.bitmasks([])
+    elif plain:
+        width = plain[0].grammar.width
+        masks = torch.empty(len(plain), width, dtype=torch.int32)
+        _executor().unsafe_compute_mask_ptr(
+            [(r.grammar._m, i) for i, r in enumerate(plain)], masks.data_ptr(), width * 4, len(plain)
+        )
+        out.update((r.request_id, masks[i : i + 1]) for i, r in enumerate(plain))
+    return out
+
+
+@functools.cache
+def _executor():
+    from llguidance import LLExecutor
+
+    return LLExecutor(num_threads=max(1, torch.get_num_threads()))
