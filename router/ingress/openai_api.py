@@ -8,6 +8,7 @@ name the client asked for when that is not the pool's own (an alias: `router/ing
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -20,6 +21,7 @@ from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.ingress.openai_tools import ToolMode
 from router.ingress.streams import collect, merge
 
 
@@ -251,14 +253,19 @@ class OpenAIServing:
     async def chat_completions(self, body: dict, served_as: str | None = None) -> dict | AsyncIterator[dict]:
         req = parse_body(ChatCompletionRequest, body)
         name = self.check_model(req.model, served_as)
-        if req.tools:
-            raise InvalidRequestError("tools are not supported", param="tools")
+        tools = ToolMode(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if tools.active:
+            if params.structured_output is not None:
+                raise InvalidRequestError("tool calls exclude response_format and structured_outputs", "tool_choice")
+            params = dataclasses.replace(params, structured_output=tools.constraint())
+        messages = [_message(m) for m in req.messages]
         kwargs = self.client.inputs.template_variables(req.chat_template_kwargs or {})
+        if tools.template_tools():
+            kwargs["tools"] = tools.template_tools()
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         text, ids = self.client.inputs.tokenize_chat(
@@ -267,19 +274,21 @@ class OpenAIServing:
         rid, arrival = new_request_id("chatcmpl"), time.time()
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
-            return self._stream_chat(req, rid, name, len(ids), stream)
+            return self._stream_chat(req, rid, name, len(ids), stream, tools)
         (out,) = await collect([stream])
         _check_errors(out)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs, self.client.token_text) if req.logprobs else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message, finish = _assistant(c.text, c.finish_reason, tools)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(c.logprobs, self.client.token_text) if req.logprobs else None,
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
@@ -290,8 +299,9 @@ class OpenAIServing:
         }
 
     async def _stream_chat(
-        self, req: ChatCompletionRequest, rid: str, name: str, num_prompt: int, stream
+        self, req: ChatCompletionRequest, rid: str, name: str, num_prompt: int, stream, tools: ToolMode
     ) -> AsyncIterator[dict]:
+        """With tool calls the text is held back: the calls go out whole in the last delta."""
         created = int(time.time())
         started: set[int] = set()
         done: set[int] = set()
@@ -314,12 +324,20 @@ class OpenAIServing:
                 if c.index in done:
                     continue
                 delta: dict = {}
+                text = "" if tools.active else c.text_delta
                 if c.index not in started:
                     started.add(c.index)
                     delta["role"] = "assistant"
-                    delta["content"] = c.text_delta
-                elif c.text_delta:
-                    delta["content"] = c.text_delta
+                    delta["content"] = text
+                elif text:
+                    delta["content"] = text
+                finish = c.finish_reason
+                if c.finished and tools.active:
+                    message, finish = _assistant(c.text, c.finish_reason, tools)
+                    if message["tool_calls"]:
+                        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                    else:
+                        delta["content"] = message["content"]
                 if not delta and not c.finished and not c.logprobs_delta:
                     continue
                 lp = chat_logprobs(c.logprobs_delta or [], self.client.token_text) if req.logprobs else None
@@ -330,7 +348,7 @@ class OpenAIServing:
                         "index": c.index,
                         "delta": delta,
                         "logprobs": lp,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish,
                         "stop_reason": c.stop_reason,
                     }
                 )
@@ -338,6 +356,30 @@ class OpenAIServing:
                 yield chunk(choices)
         if req.stream_options and req.stream_options.include_usage and last is not None:
             yield {**chunk([]), "usage": _usage(num_prompt, [last])}
+
+
+def _message(m) -> dict:
+    """A request message as chat templates take it (tool calls and ids for templates that use them)."""
+    out = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": t.function.arguments}}
+            for t in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        out["name"] = m.name
+    return out
+
+
+def _assistant(text: str, finish_reason: str | None, tools: ToolMode) -> tuple[dict, str | None]:
+    """The response message and finish reason: tool calls where the output is a complete call
+    (ended by its grammar), else the text (a call cut by max_tokens stays text, "length")."""
+    calls = tools.calls(text) if tools.active and finish_reason == "stop" else None
+    if calls is not None:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": text, **({"tool_calls": []} if tools.active else {})}, finish_reason
 
 
 async def _closing(stream: AsyncIterator) -> AsyncIterator:
