@@ -20,7 +20,13 @@ from engine.structured.spec import StructuredOutput
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
-from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from router.ingress.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    StructuredOutputs,
+)
 from router.ingress.openai_tools import ToolMode
 from router.ingress.streams import collect, merge
 
@@ -38,8 +44,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def _structured(req) -> StructuredOutput | None:
-    """OpenAI's response_format (json_object, json_schema) or the structured_outputs extension."""
+    """OpenAI's response_format (json_object, json_schema), or the structured_outputs extension
+    (or its older guided_* spelling)."""
     rf, so = req.response_format, req.structured_outputs
+    guided = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice}
+    guided = {k: v for k, v in {**guided, "grammar": req.guided_grammar}.items() if v is not None}
+    if guided:
+        if so is not None:
+            raise InvalidRequestError("set structured_outputs or the guided_* fields, not both", "structured_outputs")
+        so = StructuredOutputs.model_validate(guided)
     if rf is not None and rf.type != "text":
         if so is not None:
             raise InvalidRequestError("set response_format or structured_outputs, not both", param="response_format")

@@ -79,6 +79,11 @@ class _SamplingFields(_Request):
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension (vLLM's): the output must match exactly one of these."
     )
+    # vLLM's older spellings of structured_outputs, which many clients still send.
+    guided_json: dict[str, Any] | str | None = Field(None, description="Alias of structured_outputs.json.")
+    guided_regex: str | None = Field(None, description="Alias of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(None, description="Alias of structured_outputs.choice.")
+    guided_grammar: str | None = Field(None, description="Alias of structured_outputs.grammar.")
 
 
 class CompletionRequest(_SamplingFields):

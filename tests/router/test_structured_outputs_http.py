@@ -85,6 +85,15 @@ def test_completions_regex_choice_grammar_extension(client):
         extra_body={"structured_outputs": {"choice": [" yes", " no"]}},
     )
     assert r.choices[0].text in (" yes", " no")
+    # vLLM's older spelling, which many clients still send.
+    r = client.completions.create(
+        model=MODEL,
+        prompt="Is water wet? Answer:",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"guided_choice": [" yes", " no"]},
+    )
+    assert r.choices[0].text in (" yes", " no")
     stream = client.completions.create(
         model=MODEL,
         prompt="Six times seven is",
@@ -136,6 +145,12 @@ def test_bad_specs_are_a_400_naming_the_field(base_url):
             "structured_outputs",
         ),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}, "structured_outputs"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "guided_regex": "a(", "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+        ),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
