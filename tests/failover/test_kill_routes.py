@@ -114,3 +114,52 @@ def test_n2_resumes_exactly(failover_cluster, stream):
     assert got == reference and got[2] == 2 * MAX_TOKENS, (got, reference)
     after, failed_after = migrations(url)
     assert after == before + 1 and failed_after == failed_before
+
+
+STORY = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 30}, "story": {"type": "string", "minLength": 120}},
+    "required": ["title", "story"],
+    "additionalProperties": False,
+}
+
+
+async def _structured(url: str, handle=None, pids=None) -> tuple[str, str]:
+    """A sampled chat stream held to a JSON schema; with `handle`, its replica is killed at the
+    10th chunk (the moved request's grammar replays the output it brings)."""
+    c = client(url)
+    stream = await c.chat.completions.create(
+        model=(await c.models.list()).data[0].id,
+        messages=[{"role": "user", "content": "Tell a short story about the harbour, as JSON."}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.8,
+        seed=9,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}},
+    )
+    text, finish, chunks, killed = "", None, 0, False
+    async for ch in stream:
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            chunks += 1
+            if handle is not None and chunks == 10 and not killed:
+                killed = bool(await kill_replica_of(handle, ch.id, pids))
+    assert handle is None or killed
+    return text, finish
+
+
+def test_structured_output_stream_resumes_exactly(failover_cluster):
+    url, handle = failover_cluster["url"], failover_cluster["handle"]
+    before, failed_before = migrations(url)
+
+    async def run():
+        reference = await _structured(url)
+        pids = await wait_live(handle, 2)
+        return reference, await _structured(url, handle, pids)
+
+    reference, got = asyncio.run(run())
+    assert got == reference, (got, reference)
+    assert got[0].startswith('{"title": "')
+    after, failed_after = migrations(url)
+    assert after == before + 1 and failed_after == failed_before
