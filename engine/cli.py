@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from engine.layers.quant.spec import METHODS
 
 if TYPE_CHECKING:
     from engine.executor import ExecutorFactory
+    from engine.structured.spec import StructuredOutput
 
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine") -> argparse.Namespace:
@@ -50,7 +52,32 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    held = p.add_mutually_exclusive_group()  # structured outputs (engine/structured/)
+    held.add_argument("--json-schema", default=None, help="the output matches this JSON schema (text or @file)")
+    held.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    held.add_argument("--regex", default=None, help="the output matches this regular expression")
+    held.add_argument("--choice", action="append", default=None, help="the output is one of these (repeatable)")
+    held.add_argument("--grammar", default=None, help="the output matches this Lark or GBNF grammar (text or @file)")
     return p.parse_args(argv)
+
+
+def _structured(args: argparse.Namespace) -> StructuredOutput | None:
+    from engine.structured.spec import StructuredOutput
+
+    def text(v: str) -> str:
+        return Path(v[1:]).read_text() if v.startswith("@") else v
+
+    if args.json_schema is not None:
+        return StructuredOutput("json", text(args.json_schema), param="--json-schema")
+    if args.json_object:
+        return StructuredOutput("json_object", param="--json-object")
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex, param="--regex")
+    if args.choice:
+        return StructuredOutput("choice", args.choice, param="--choice")
+    if args.grammar is not None:
+        return StructuredOutput("grammar", text(args.grammar), param="--grammar")
+    return None
 
 
 def main(
@@ -71,6 +98,7 @@ def main(
             seed=args.seed,
             max_tokens=args.max_tokens,
             stop=args.stop,
+            structured_output=_structured(args),
         )
         llm = LLM(
             args.model,

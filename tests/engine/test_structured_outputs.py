@@ -281,3 +281,14 @@ def test_resumed_request_continues_in_its_grammar(llm):
     assert (allowed[nxt // 32].item() >> (nxt % 32)) & 1
     with pytest.raises(InvalidRequestError, match="resume"):
         llm.engine.inputs.make_requests("s", ids, params, resume={"s": llm.tokenizer("hello").input_ids})
+
+
+def test_cli_flags(capsys):
+    from engine.cli import main
+
+    argv = ["--prompt", "Call me at", "--regex", PHONE, "--json", "--max-tokens", "20", "--dtype", "float32"]
+    assert main([*argv, "--threads", "2"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert re.fullmatch(PHONE, out["text"]) and out["finish_reason"] == "stop"
+    assert main(["--prompt", "hi", "--regex", "a("]) == 2  # refused before the model loads
+    assert "--regex: is not a valid regex" in capsys.readouterr().err
