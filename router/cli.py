@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queued-requests-per-replica", type=int, default=_d("max_queued_requests_per_replica"))
     s.add_argument("--request-timeout-s", type=float, default=_d("request_timeout_s"))
     s.add_argument(
+        "--tool-call-parser",
+        default=_d("tool_call_parser"),
+        choices=["hermes"],
+        help="the model's tool-call syntax, for tool_choice 'auto' (without one: a 400)",
+    )
+    s.add_argument(
         "--max-migrations",
         type=int,
         default=_d("max_migrations"),
@@ -269,6 +275,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         routing=a.routing,
         max_queued_requests_per_replica=a.max_queued_requests_per_replica,
         request_timeout_s=a.request_timeout_s,
+        tool_call_parser=a.tool_call_parser,
         max_migrations=a.max_migrations,
         drain_timeout_s=a.drain_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,

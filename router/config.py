@@ -38,6 +38,7 @@ class ModelPool(BaseModel):
     max_num_batched_tokens: int | None = None
     max_queued_requests_per_replica: int | None = None
     max_queued_requests: int | None = Field(None, description="This pool's queue bound in each router replica.")
+    tool_call_parser: str | None = None
 
     def overrides(self) -> dict:
         """The AppConfig fields this pool sets (its served name included)."""
@@ -130,6 +131,11 @@ class AppConfig(BaseModel):
     )
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Request body limit; past it: 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request deadline; past it: 504 (or an error event).")
+    tool_call_parser: Literal["hermes"] | None = Field(
+        None,
+        description="The model's tool-call syntax, for tool_choice 'auto' (hermes: <tool_call> JSON "
+        "blocks: Hermes 2 Pro, Qwen2.5, Qwen3); None: 'auto' is a 400.",
+    )
     nonstream_batch_interval_s: float = Field(
         0.5,
         ge=0,

@@ -119,7 +119,7 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
         name=cfg.model_name,
         handle=handle,
         client=client,
-        openai=OpenAIServing(client, cfg.model_name, mc.max_model_len),
+        openai=OpenAIServing(client, cfg.model_name, mc.max_model_len, cfg.tool_call_parser),
         tgi=TGIServing(client, cfg.model_name, info),
         max_model_len=mc.max_model_len,
         expected_replicas=cfg.num_replicas,

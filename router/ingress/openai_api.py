@@ -27,8 +27,9 @@ from router.ingress.openai_models import (
     ModelList,
     StructuredOutputs,
 )
-from router.ingress.openai_tools import ToolMode
+from router.ingress.openai_tools import ToolMode, assistant_message, request_message
 from router.ingress.streams import collect, merge
+from router.ingress.tool_parsers import ContentStream
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -115,8 +116,11 @@ def _check_errors(out: RequestOutput) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, client: EngineClient, model_name: str, max_model_len: int, tool_call_parser: str | None = None
+    ) -> None:
         self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
+        self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py); None: refused
 
     def models(self) -> dict:
         card = ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
@@ -266,16 +270,17 @@ class OpenAIServing:
     async def chat_completions(self, body: dict, served_as: str | None = None) -> dict | AsyncIterator[dict]:
         req = parse_body(ChatCompletionRequest, body)
         name = self.check_model(req.model, served_as)
-        tools = ToolMode(req)
+        tools = ToolMode(req, self.tool_call_parser)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
-        if tools.active:
+        held_calls = tools.constraint()  # a named function or "required"; "auto" may take a grammar too
+        if held_calls is not None:
             if params.structured_output is not None:
                 raise InvalidRequestError("tool calls exclude response_format and structured_outputs", "tool_choice")
-            params = dataclasses.replace(params, structured_output=tools.constraint())
-        messages = [_message(m) for m in req.messages]
+            params = dataclasses.replace(params, structured_output=held_calls)
+        messages = [request_message(m) for m in req.messages]
         kwargs = self.client.inputs.template_variables(req.chat_template_kwargs or {})
         if tools.template_tools():
             kwargs["tools"] = tools.template_tools()
@@ -292,7 +297,7 @@ class OpenAIServing:
         _check_errors(out)
         choices = []
         for c in out.outputs:
-            message, finish = _assistant(c.text, c.finish_reason, tools)
+            message, finish = assistant_message(c.text, c.finish_reason, tools)
             choices.append(
                 {
                     "index": c.index,
@@ -318,6 +323,7 @@ class OpenAIServing:
         created = int(time.time())
         started: set[int] = set()
         done: set[int] = set()
+        held: dict[int, ContentStream] = {}  # tool_choice "auto": content before the first call
         last = None
 
         def chunk(choices: list[dict]) -> dict:
@@ -337,7 +343,10 @@ class OpenAIServing:
                 if c.index in done:
                     continue
                 delta: dict = {}
-                text = "" if tools.active else c.text_delta
+                if tools.active:  # held back: a named/required call whole, "auto" from its first block
+                    text = held.setdefault(c.index, ContentStream()).delta(c.text) if tools.auto else ""
+                else:
+                    text = c.text_delta
                 if c.index not in started:
                     started.add(c.index)
                     delta["role"] = "assistant"
@@ -346,11 +355,12 @@ class OpenAIServing:
                     delta["content"] = text
                 finish = c.finish_reason
                 if c.finished and tools.active:
-                    message, finish = _assistant(c.text, c.finish_reason, tools)
+                    message, finish = assistant_message(c.text, c.finish_reason, tools)
+                    rest = held[c.index].rest(c.text, bool(message["tool_calls"])) if tools.auto else None
                     if message["tool_calls"]:
                         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                    else:
-                        delta["content"] = message["content"]
+                    elif rest is None or rest:
+                        delta["content"] = message["content"] if rest is None else rest
                 if not delta and not c.finished and not c.logprobs_delta:
                     continue
                 lp = chat_logprobs(c.logprobs_delta or [], self.client.token_text) if req.logprobs else None
@@ -369,30 +379,6 @@ class OpenAIServing:
                 yield chunk(choices)
         if req.stream_options and req.stream_options.include_usage and last is not None:
             yield {**chunk([]), "usage": _usage(num_prompt, [last])}
-
-
-def _message(m) -> dict:
-    """A request message as chat templates take it (tool calls and ids for templates that use them)."""
-    out = {"role": m.role, "content": m.text()}
-    if m.tool_calls:
-        out["tool_calls"] = [
-            {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": t.function.arguments}}
-            for t in m.tool_calls
-        ]
-    if m.tool_call_id is not None:
-        out["tool_call_id"] = m.tool_call_id
-    if m.name is not None:
-        out["name"] = m.name
-    return out
-
-
-def _assistant(text: str, finish_reason: str | None, tools: ToolMode) -> tuple[dict, str | None]:
-    """The response message and finish reason: tool calls where the output is a complete call
-    (ended by its grammar), else the text (a call cut by max_tokens stays text, "length")."""
-    calls = tools.calls(text) if tools.active and finish_reason == "stop" else None
-    if calls is not None:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": text, **({"tool_calls": []} if tools.active else {})}, finish_reason
 
 
 async def _closing(stream: AsyncIterator) -> AsyncIterator:

@@ -1,8 +1,9 @@
 """One local Ray cluster + Serve instance for all of tests/router (starting Ray, Serve and the
 model costs ~30-60 s here), with two applications:
 
-  * `main` at /        : 2 engine replicas, defaults (no API key), float32, small KV budget;
-  * `strict` at /strict: 1 replica, API key, tiny queues (max 2 running, 1 queued per replica,
+  * `main` at /        : 2 engine replicas, defaults (no API key), float32, small KV budget,
+                         the hermes tool-call parser;
+  * `strict` at /strict: 1 replica, API key, no tool-call parser, tiny queues (max 2 running, 1 queued per replica,
     2 queued in the router), 64 KiB body limit, 8 s request timeout.
 Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
 """
@@ -29,7 +30,7 @@ def serve_cluster(tmp_path_factory):
     from router.config import AppConfig
 
     with local_serve() as url:
-        main_cfg = AppConfig(**BASE, num_replicas=2)
+        main_cfg = AppConfig(**BASE, num_replicas=2, tool_call_parser="hermes")
         key_file = tmp_path_factory.mktemp("key") / "api-key"
         key_file.write_text(STRICT_KEY + "\n")
         strict_cfg = AppConfig(

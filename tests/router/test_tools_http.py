@@ -1,6 +1,7 @@
 """Tool calls through the openai SDK: a named function and tool_choice "required" give calls
 that parse and match the tools' schemas, streamed and not; a call's result goes back as a
-tool message; "auto" and bad tool requests are a 400 naming the field."""
+tool message; "auto" finds calls in the model's own syntax (hermes) where the server has that
+parser and is a 400 where not; bad tool requests are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -118,12 +119,54 @@ def test_required_single_and_parallel(client):
         assert c.finish_reason == "length" and c.message.content.startswith("[")
 
 
+FORCED = (
+    r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "celsius"\}\}'
+    r"\n</tool_call>"
+)
+
+
+def test_auto_with_the_hermes_parser(client):
+    """tool_choice "auto" (the default) on a server with tool_call_parser hermes: calls in the
+    model's own <tool_call> blocks are told from text. A grammar makes this small model write one."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=0)
+    r = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": FORCED}})
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "Let me check."
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather" and _weather_args(call.function.arguments)["city"] == "Paris"
+    stream = client.chat.completions.create(**kw, stream=True, extra_body={"structured_outputs": {"regex": FORCED}})
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += ch.delta.tool_calls or []
+            finish = ch.finish_reason or finish
+    assert content.strip() == "Let me check." and finish == "tool_calls"
+    assert [t.function.arguments for t in calls] == [call.function.arguments]
+    # Plain text stays text, streamed whole.
+    r = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": "It is sunny <3"}})
+    assert r.choices[0].message.content == "It is sunny <3" and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_auto_without_a_parser_is_a_400(serve_cluster):
+    """The strict app has no tool_call_parser: "auto", explicit or the default with tools, is refused."""
+    url, key = serve_cluster["strict_url"], serve_cluster["strict_key"]
+    for extra in ({}, {"tool_choice": "auto"}):
+        r = post(
+            url,
+            "/v1/chat/completions",
+            json={"messages": ASK, "max_tokens": 4, "tools": [WEATHER], **extra},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        err = _check(r, 400, "tool_choice")
+        assert "required" in err["message"] and "tool_call_parser" in err["message"]
+
+
 def test_bad_tool_requests_are_a_400(base_url):
     chat = {"messages": ASK, "max_tokens": 4}
     named = {"type": "function", "function": {"name": "nope"}}
     cases = [
-        ({**chat, "tools": [WEATHER]}, "tool_choice"),  # "auto" by default: no parser
-        ({**chat, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
         ({**chat, "tools": [WEATHER], "tool_choice": named}, "tool_choice"),
         ({**chat, "tool_choice": "required"}, "tool_choice"),
         ({**chat, "tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
