@@ -62,6 +62,13 @@ def base_url(serve_cluster) -> str:
 
 
 @pytest.fixture(scope="package")
+def client(base_url):
+    """The official openai SDK pointed at the `main` app."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="package")
 def offline_llm():
     """The offline engine with the same settings, for greedy-equality checks."""
     from engine import LLM

@@ -12,12 +12,6 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def client(base_url):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def test_models(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]

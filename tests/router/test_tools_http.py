@@ -41,12 +41,6 @@ TIME = {
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
-@pytest.fixture(scope="module")
-def client(base_url):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _weather_args(arguments: str) -> dict:
     args = json.loads(arguments)
     assert set(args) == {"city", "unit"} and isinstance(args["city"], str) and args["unit"] in ("celsius", "fahrenheit")
