@@ -100,7 +100,7 @@ class AsyncEngine:
         self._check_alive()
         rid = request_id or self.engine.next_request_id()
         text, ids = self.engine.inputs.tokenize(prompt)
-        reqs = await self._make_requests(params, rid, ids, params, priority)
+        reqs = await self._make_requests(rid, ids, params, priority)
         children = [r.request_id for r in reqs]
         stream = self._open(rid, children)
         self._submit(("add_text", rid, text, ids, params, reqs))
@@ -122,7 +122,7 @@ class AsyncEngine:
         from that block on (`EngineCoreOutput.kv_blocks`)."""
         self._check_alive()
         ids = self.engine.inputs.check_token_ids(prompt_token_ids)
-        reqs = await self._make_requests(params, request_id, ids, params, priority, arrival_time, resume)
+        reqs = await self._make_requests(request_id, ids, params, priority, arrival_time, resume)
         for r in reqs:
             r.kv_export_first_block = kv_export_first_block
         children = [r.request_id for r in reqs]
@@ -134,12 +134,13 @@ class AsyncEngine:
         async for item in self._drain(request_id, stream, children):
             yield item
 
-    async def _make_requests(self, params: SamplingParams, *args) -> list:
+    async def _make_requests(self, request_id: str, ids: list[int], params: SamplingParams, *rest) -> list:
         """`inputs.make_requests`; off the event loop for a structured output, whose first use
         builds the grammar tokenizer (~0.5 s) and whose grammar may take long to build."""
+        make = self.engine.inputs.make_requests
         if params.structured_output is None:
-            return self.engine.inputs.make_requests(*args)
-        return await asyncio.to_thread(self.engine.inputs.make_requests, *args)
+            return make(request_id, ids, params, *rest)
+        return await asyncio.to_thread(make, request_id, ids, params, *rest)
 
     def load_kv(self, child_id: str, blocks: KVBlocks) -> None:
         """A remote prefill's KV for a sequence waiting for it (decode side)."""

@@ -1,7 +1,7 @@
 """Sampler: logits [B, V] -> one token id per row (+ logprobs of the raw distribution).
 
-Order: raw logprobs, logit_bias, the structured-output mask, min_tokens blocking, repetition penalty, presence/frequency penalties,
-temperature, top-k, top-p, min-p, sample. Greedy rows take argmax (ties -> lowest id).
+Order: raw logprobs, logit_bias, the structured-output mask, min_tokens blocking, repetition
+penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, sample. Greedy rows take argmax (ties -> lowest id).
 Random rows use the exponential race argmax(p / q), q ~ Exp(1): a seeded row draws q from its
 own generator only, so its result does not depend on the rest of the batch.
 """

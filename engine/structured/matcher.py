@@ -44,8 +44,8 @@ class GrammarTokenizer:
 
                 try:
                     self._ll = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size, eos_token=self._eos)
-                except ValueError as e:  # a slow (Python) tokenizer
-                    raise InvalidRequestError(f"structured outputs need a fast tokenizer: {e}") from None
+                except ValueError as e:  # a slow (Python) tokenizer, a vocabulary that does not fit
+                    raise InvalidRequestError(f"structured outputs are not available for this tokenizer: {e}") from None
             return self._ll
 
     def matcher(self, grammar: str, param: str) -> GrammarMatcher:
