@@ -241,12 +241,21 @@ class AsyncEngine:
             self.engine = engine or LLMEngine(args, executor_factory)
             # Replaced (never mutated) by the step thread after every step: any thread may read it.
             self.snapshot: EngineStats = self.engine.core.snapshot()
+            self._build_grammar_tokenizer()
         except BaseException as e:  # noqa: BLE001 - the constructor re-raises it on the caller's thread
             self._build_error = e
             return
         finally:
             self._built.set()
         self._run()
+
+    def _build_grammar_tokenizer(self) -> None:
+        """Structured outputs' view of the tokenizer, built before serving: built by the first
+        constrained request it held the GIL ~0.5 s (SmolLM2) while other requests waited."""
+        try:
+            self.engine.inputs.grammar_tokenizer.get()
+        except InvalidRequestError as e:  # constrained requests get this error; the rest serve
+            log.warning("structured outputs unavailable: %s", e)
 
     def _run(self) -> None:
         try:

@@ -1,7 +1,7 @@
 """Disaggregated serving end to end (real Ray, Serve and the `openai` client): outputs equal the
 colocated engine's token for token (short prompts prefilled locally, long ones remotely, a
 prompt whose prefix the decode replica holds moving only its missing blocks, n=2, logprobs,
-stop strings, seeded sampling), the transfer counters and per-pool series on /metrics, and every
+stop strings, seeded sampling, a JSON schema), the transfer counters and per-pool series on /metrics, and every
 block back in both pools."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from engine import SamplingParams
+from engine import SamplingParams, StructuredOutput
 from tests.disagg.conftest import BLOCK_BYTES, LOCAL_MAX, transfer_counters, wait_pools_idle
 from tests.router.conftest import metrics
 
@@ -31,17 +31,27 @@ def _client(url: str):
     return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-async def _complete(c, prompt: str, **kw):
+async def _complete(c, prompt: str, json_schema: dict | None = None, **kw):
     model = (await c.models.list()).data[0].id
+    if json_schema is not None:
+        kw["extra_body"] = {"structured_outputs": {"json": json_schema}}
     return await c.completions.create(model=model, prompt=prompt, **kw)
 
 
+ENTRY = {
+    "type": "object",
+    "properties": {"night": {"type": "string", "maxLength": 20}, "comet": {"type": "string", "maxLength": 20}},
+    "required": ["night", "comet"],
+    "additionalProperties": False,
+}
 CASES = [
     ("short-greedy-logprobs", SHORT, dict(max_tokens=16, temperature=0, logprobs=2)),
     ("long-greedy-logprobs", LONG, dict(max_tokens=24, temperature=0, logprobs=2)),
     ("long-stop", LONG + " In short,", dict(max_tokens=40, temperature=0, stop=["."])),
     ("long-n2", DOC + "Two titles for it:", dict(max_tokens=16, temperature=0, n=2)),
     ("long-seeded", DOC + "A poem about it:", dict(max_tokens=24, temperature=0.9, top_p=0.9, seed=1234)),
+    # The decode side holds the grammar: the prefill side only computes the prompt's KV.
+    ("long-json", DOC + "The log's first entry as JSON:", dict(max_tokens=48, temperature=0, json_schema=ENTRY)),
 ]
 
 
@@ -54,6 +64,7 @@ def _params(kw: dict) -> SamplingParams:
         n=kw.get("n", 1),
         stop=kw.get("stop"),
         logprobs=kw.get("logprobs"),
+        structured_output=StructuredOutput("json", kw["json_schema"]) if "json_schema" in kw else None,
     )
 
 
@@ -79,7 +90,7 @@ def test_outputs_equal_colocated(pd_cluster, reference_llm):
         assert resp.usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs), name
     after = transfer_counters(url)
     remote = after["num_remote_prefills"] - before["num_remote_prefills"]
-    assert remote >= 5  # four long prompts, n=2 asks once per sequence
+    assert remote >= 6  # five long prompts, n=2 asks once per sequence
     assert after["num_local_prefills"] - before["num_local_prefills"] >= 1  # the short one
     assert after["kv_transfers"] - before["kv_transfers"] == remote
     assert after["kv_transfer_failures"] == before["kv_transfer_failures"]
