@@ -279,6 +279,10 @@ def test_resumed_request_continues_in_its_grammar(llm):
     allowed = req.grammar.bitmasks([])[0]
     nxt = whole[5]
     assert (allowed[nxt // 32].item() >> (nxt % 32)) & 1
+    with pytest.raises(InvalidRequestError, match="too costly"):  # ~0.4 s per token's mask
+        llm.engine.inputs.make_requests(
+            "t", ids, SamplingParams(structured_output=StructuredOutput("regex", "x{300000}"))
+        )
     with pytest.raises(InvalidRequestError, match="resume"):
         llm.engine.inputs.make_requests("s", ids, params, resume={"s": llm.tokenizer("hello").input_ids})
 

@@ -135,6 +135,8 @@ def test_bad_specs_are_a_400_naming_the_field(base_url):
             "structured_outputs",
         ),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+        # Valid, but its masks would cost every step ~0.4 s: refused by the engine replica.
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": "x{300000}"}}, "structured_outputs"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1000}}, "logit_bias"),
