@@ -296,3 +296,17 @@ def test_cli_flags(capsys):
     assert re.fullmatch(PHONE, out["text"]) and out["finish_reason"] == "stop"
     assert main(["--prompt", "hi", "--regex", "a("]) == 2  # refused before the model loads
     assert "--regex: is not a valid regex" in capsys.readouterr().err
+
+
+def test_a_grammar_costly_past_its_start_fails_alone(llm):
+    """`(Q|R)x{100000}` passes admission (its first mask is cheap); its second mask runs out of
+    the lexer's fuel: that request ends with an explicit error, the one beside it is untouched."""
+    p = CHAT.format("Say something.")
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, structured_output=StructuredOutput("regex", "(Q|R)x{100000}")),
+        SamplingParams(temperature=0, max_tokens=20, structured_output=StructuredOutput("regex", PHONE)),
+    ]
+    bad, good = llm.generate([p, p], params, use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and "grammar failed" in bad.error, bad.error
+    assert good.error is None and re.fullmatch(PHONE, good.outputs[0].text)
+    _check_pool(llm)
