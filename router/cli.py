@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tool-call-parser",
         default=_d("tool_call_parser"),
-        choices=["hermes"],
+        choices=["hermes", "llama3_json"],
         help="the model's tool-call syntax, for tool_choice 'auto' (without one: a 400)",
     )
     s.add_argument(

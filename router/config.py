@@ -131,10 +131,10 @@ class AppConfig(BaseModel):
     )
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Request body limit; past it: 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request deadline; past it: 504 (or an error event).")
-    tool_call_parser: Literal["hermes"] | None = Field(
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
         description="The model's tool-call syntax, for tool_choice 'auto' (hermes: <tool_call> JSON "
-        "blocks: Hermes 2 Pro, Qwen2.5, Qwen3); None: 'auto' is a 400.",
+        "blocks: Hermes 2 Pro, Qwen2.5, Qwen3; llama3_json: Llama 3.1-3.3's JSON calls); None: 'auto' is a 400.",
     )
     nonstream_batch_interval_s: float = Field(
         0.5,

@@ -344,7 +344,7 @@ class OpenAIServing:
                     continue
                 delta: dict = {}
                 if tools.active:  # held back: a named/required call whole, "auto" from its first block
-                    text = held.setdefault(c.index, ContentStream()).delta(c.text) if tools.auto else ""
+                    text = held.setdefault(c.index, ContentStream(tools.parser)).delta(c.text) if tools.auto else ""
                 else:
                     text = c.text_delta
                 if c.index not in started:

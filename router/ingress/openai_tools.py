@@ -19,7 +19,7 @@ import secrets
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from router.ingress.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from router.ingress.tool_parsers import parse_hermes
+from router.ingress.tool_parsers import parse
 
 ANY_OBJECT = {"type": "object"}
 
@@ -54,6 +54,7 @@ class ToolMode:
                     param="tool_choice",
                 )
             self.auto = True
+        self.parser = parser
         self.single = not req.parallel_tool_calls
 
     @property
@@ -90,7 +91,7 @@ class ToolMode:
     def split(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None]:
         """(content, tool_calls) of a finished output; no calls: (text, None)."""
         if self.auto:
-            content, calls = parse_hermes(text)
+            content, calls = parse(self.parser, text)
             return (content, [_call(n, a) for n, a in calls]) if calls else (text, None)
         calls = self._held_calls(text) if finish_reason == "stop" else None
         return (None, calls) if calls else (text, None)

@@ -2,8 +2,13 @@
 
 `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after optional text,
 as Hermes 2 Pro, Qwen2.5 and Qwen3 write them (their chat templates render `tools`). The text
-before the first block is the message content. Output whose blocks do not all parse stays text,
-as vLLM's parser leaves it.
+before the first block is the message content.
+
+`llama3_json`: the whole output is one or more `{"name": ..., "parameters": {...}}` objects
+(separated by `;`, optionally after `<|python_tag|>`), as Llama 3.1-3.3 write them with their
+JSON tool prompt; anything else is text.
+
+Output whose calls do not all parse stays text, as vLLM's parsers leave it.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import json
 import re
 
-PARSERS = ("hermes",)
+PARSERS = ("hermes", "llama3_json")
 START, END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
 
 
@@ -37,18 +43,50 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     return content or None, calls
 
 
+def parse_llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """(None, [(name, arguments JSON)]) when the whole output is calls; else (text, [])."""
+    body = text.strip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG) :].lstrip()
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while i < len(body):
+        try:
+            call, i = decoder.raw_decode(body, i)
+            name, args = call["name"], call.get("parameters", call.get("arguments", {}))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return text, []
+        if not isinstance(name, str) or not isinstance(args, dict):
+            return text, []
+        calls.append((name, json.dumps(args)))
+        while i < len(body) and body[i] in " \t\r\n;":
+            i += 1
+    return (None, calls) if calls else (text, [])
+
+
+def parse(parser: str, text: str) -> tuple[str | None, list[tuple[str, str]]]:
+    return parse_llama3_json(text) if parser == "llama3_json" else parse_hermes(text)
+
+
 class ContentStream:
     """The content deltas of a streamed output before its first tool-call block: text is held
     back while its end could be the start of `<tool_call>`, and from the block on nothing is
     sent (the calls go out whole at the end)."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: str = "hermes") -> None:
+        self.parser = parser
         self.sent = 0
         self.in_calls = False
 
     def delta(self, text: str) -> str:
         if self.in_calls:
             return ""
+        if self.parser == "llama3_json":  # calls only from the start: decided by its first characters
+            head = text.lstrip()
+            if not self.sent and (head.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(head)):
+                self.in_calls = head.startswith(("{", PYTHON_TAG))
+                return ""
+            out, self.sent = text[self.sent :], len(text)
+            return out
         start = text.find(START, max(0, self.sent - len(START)))
         if start >= 0:
             self.in_calls = True

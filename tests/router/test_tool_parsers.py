@@ -1,11 +1,11 @@
-"""The hermes tool-call parser (tool_choice "auto"): calls and content of whole outputs, and a
-stream's content deltas never showing any of a call's text."""
+"""The tool-call parsers (tool_choice "auto"), hermes and llama3_json: calls and content of whole
+outputs, and a stream's content deltas never showing any of a call's text."""
 
 from __future__ import annotations
 
 import json
 
-from router.ingress.tool_parsers import ContentStream, parse_hermes
+from router.ingress.tool_parsers import ContentStream, parse, parse_hermes, parse_llama3_json
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -40,3 +40,23 @@ def test_content_stream_holds_back_what_may_start_a_call():
     for i in range(1, len(plain) + 1):
         sent += stream.delta(plain[:i])
     assert sent == "a < b " and sent + stream.rest(plain, has_calls=False) == plain
+
+
+def test_parse_llama3_json():
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert parse_llama3_json(one) == (None, [("get_weather", '{"city": "Paris"}')])
+    two = f"<|python_tag|>{one}; {one.replace('Paris', 'Rome')}"
+    assert [json.loads(a)["city"] for _, a in parse_llama3_json(two)[1]] == ["Paris", "Rome"]
+    for text in ("The weather is fine.", one[:-3], one + " and more text", '{"city": "Paris"}', '{"name": 3}'):
+        assert parse_llama3_json(text) == (text, [])
+    assert parse("llama3_json", one) == parse_llama3_json(one) and parse("hermes", CALL)[1]
+
+
+def test_llama3_stream_decides_by_the_first_characters():
+    call = '  {"name": "f", "parameters": {}}'
+    for text, content in ((call, ""), ("<|python_tag|>" + call, ""), ("It is sunny {really}", "It is sunny {really}")):
+        stream, sent = ContentStream("llama3_json"), ""
+        for i in range(1, len(text) + 1):
+            sent += stream.delta(text[:i])
+        has_calls = bool(parse_llama3_json(text)[1])
+        assert sent + stream.rest(text, has_calls) == content
