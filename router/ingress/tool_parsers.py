@@ -27,17 +27,8 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     start = text.find(START)
     if start < 0:
         return text, []
-    calls = []
-    for block in _BLOCK.findall(text[start:]):
-        try:
-            call = json.loads(block)
-            name, args = call["name"], call.get("arguments", call.get("parameters", {}))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return text, []
-        if not isinstance(name, str) or not isinstance(args, dict):
-            return text, []
-        calls.append((name, json.dumps(args)))
-    if not calls or text[start:].count(START) != len(calls):  # an unclosed block: cut by max_tokens
+    calls = [_call(block) for block in _BLOCK.findall(text[start:])]
+    if not calls or None in calls or text[start:].count(START) != len(calls):  # unclosed: cut by max_tokens
         return text, []
     content = text[:start].strip()
     return content or None, calls
@@ -51,16 +42,26 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[tuple[str, str]]]:
     decoder, calls, i = json.JSONDecoder(), [], 0
     while i < len(body):
         try:
-            call, i = decoder.raw_decode(body, i)
-            name, args = call["name"], call.get("parameters", call.get("arguments", {}))
-        except (ValueError, KeyError, TypeError, AttributeError):
+            obj, i = decoder.raw_decode(body, i)
+        except ValueError:
             return text, []
-        if not isinstance(name, str) or not isinstance(args, dict):
+        call = _call(obj)
+        if call is None:
             return text, []
-        calls.append((name, json.dumps(args)))
+        calls.append(call)
         while i < len(body) and body[i] in " \t\r\n;":
             i += 1
     return (None, calls) if calls else (text, [])
+
+
+def _call(obj: object) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one call, a JSON text or a decoded object; None if it is not one."""
+    try:
+        call = json.loads(obj) if isinstance(obj, str) else obj
+        name, args = call["name"], call.get("arguments", call.get("parameters", {}))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (name, json.dumps(args)) if isinstance(name, str) and isinstance(args, dict) else None
 
 
 def parse(parser: str, text: str) -> tuple[str | None, list[tuple[str, str]]]:
