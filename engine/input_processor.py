@@ -121,9 +121,10 @@ class InputProcessor:
         text = self.apply_chat_template(messages, **kwargs)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Raises PromptTooLongError unless prompt + output fit the context, InvalidRequestError
-        for a logit_bias token outside the vocabulary; returns max_tokens."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """The checks of a request that need the model: PromptTooLongError unless prompt + output
+        fit the context, InvalidRequestError for a logit_bias token outside the vocabulary.
+        Returns max_tokens."""
         v = self.mc.vocab_size
         bad = [t for t in params.logit_bias or {} if not 0 <= t < v]
         if bad:
@@ -160,7 +161,7 @@ class InputProcessor:
         generated there. Only those children are made, each with its outputs restored (not part of
         the prompt), so they continue like a preempted request that recomputes: penalties,
         min/max tokens, stop checks and seeded draws (keyed by output position) go on unchanged."""
-        max_tokens = self.check_lengths(prompt_ids, params)
+        max_tokens = self.check_request(prompt_ids, params)
         eos = self.mc.eos_token_ids
         reqs = []
         for i, rid in enumerate(child_request_ids(request_id, params.n)):

@@ -99,6 +99,18 @@ class GrammarMatcher:
         """How many of these draft tokens the grammar allows in a row from here."""
         return self._m.validate_tokens(drafts) if drafts else 0
 
+    @staticmethod
+    def batch_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """[len(matchers), width]: each matcher's next-token mask, several in one parallel call."""
+        if len(matchers) == 1:
+            return matchers[0].bitmasks([])
+        width = matchers[0].width
+        out = torch.empty(len(matchers), width, dtype=torch.int32)
+        _executor().unsafe_compute_mask_ptr(
+            [(m._m, i) for i, m in enumerate(matchers)], out.data_ptr(), width * 4, len(out)
+        )
+        return out
+
     def bitmasks(self, drafts: list[int]) -> torch.Tensor:
         """[1 + len(drafts), width] int32: the tokens allowed at the next position and after
         each draft (drafts must be a valid prefix). The drafts go through a copy: rolling back
@@ -117,17 +129,17 @@ def step_bitmasks(scheduled: list, spec_tokens: dict[str, list[int]]) -> dict[st
     """The bitmasks of a step's constrained requests that sample in it (their scheduled tokens
     reach the end of what they have), one row per scored position. Requests without drafts
     get theirs in one parallel call (llguidance's executor threads, the GIL dropped)."""
-    sampling = [r for r in scheduled if r.grammar is not None and r.num_computed_tokens >= r.num_tokens]
-    plain = [r for r in sampling if not spec_tokens.get(r.request_id)]
-    out = {r.request_id: r.grammar.bitmasks(spec_tokens[r.request_id]) for r in sampling if r not in plain}
-    if len(plain) == 1:
-        out[plain[0].request_id] = plain[0].grammar.bitmasks([])
-    elif plain:
-        width = plain[0].grammar.width
-        masks = torch.empty(len(plain), width, dtype=torch.int32)
-        _executor().unsafe_compute_mask_ptr(
-            [(r.grammar._m, i) for i, r in enumerate(plain)], masks.data_ptr(), width * 4, len(plain)
-        )
+    out, plain = {}, []
+    for r in scheduled:
+        if r.grammar is None or r.num_computed_tokens < r.num_tokens:
+            continue
+        drafts = spec_tokens.get(r.request_id)
+        if drafts:
+            out[r.request_id] = r.grammar.bitmasks(drafts)
+        else:
+            plain.append(r)
+    if plain:
+        masks = GrammarMatcher.batch_bitmasks([r.grammar for r in plain])
         out.update((r.request_id, masks[i : i + 1]) for i, r in enumerate(plain))
     return out
 

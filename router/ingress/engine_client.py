@@ -125,7 +125,7 @@ class EngineClient:
         child_ids = child_request_ids(request_id, params.n)
         moving = Migration(self.max_migrations)
         try:
-            self.inputs.check_lengths(prompt_ids, params)  # the engine's length check, before sending
+            self.inputs.check_request(prompt_ids, params)  # the engine's own checks, before sending
             self.outputs.add_request(request_id, prompt_text, prompt_ids, params, child_ids)
             added = True
             # Registered before submitting: the channel may bring outputs before the reply.

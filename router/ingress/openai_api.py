@@ -15,8 +15,6 @@ from typing import AsyncIterator
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured.spec import StructuredOutput
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
@@ -25,78 +23,11 @@ from router.ingress.openai_models import (
     CompletionRequest,
     ModelCard,
     ModelList,
-    StructuredOutputs,
 )
+from router.ingress.openai_sampling import sampling_params
 from router.ingress.openai_tools import ToolMode, assistant_message, request_message
 from router.ingress.streams import collect, merge
 from router.ingress.tool_parsers import ContentStream
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    out = {}
-    for k, v in bias.items():
-        try:
-            out[int(k)] = v
-        except ValueError:
-            raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias") from None
-    return out
-
-
-def _structured(req) -> StructuredOutput | None:
-    """OpenAI's response_format (json_object, json_schema), or the structured_outputs extension
-    (or its older guided_* spelling)."""
-    rf, so = req.response_format, req.structured_outputs
-    guided = {"json": req.guided_json, "regex": req.guided_regex, "choice": req.guided_choice}
-    guided = {k: v for k, v in {**guided, "grammar": req.guided_grammar}.items() if v is not None}
-    if guided:
-        if so is not None:
-            raise InvalidRequestError("set structured_outputs or the guided_* fields, not both", "structured_outputs")
-        so = StructuredOutputs.model_validate(guided)
-    if rf is not None and rf.type != "text":
-        if so is not None:
-            raise InvalidRequestError("set response_format or structured_outputs, not both", param="response_format")
-        if rf.type == "json_schema":
-            if rf.json_schema is None:
-                raise InvalidRequestError("response_format json_schema needs 'json_schema'", param="response_format")
-            return StructuredOutput("json", rf.json_schema.schema_ or {}, param="response_format")
-        return StructuredOutput("json_object", param="response_format")
-    if so is None:
-        return None
-    given = {k: v for k, v in so.model_dump(by_alias=True).items() if v is not None and v is not False}
-    if len(given) != 1:
-        raise InvalidRequestError(
-            "structured_outputs takes exactly one of json, json_object, regex, choice, grammar",
-            param="structured_outputs",
-        )
-    ((kind, value),) = given.items()
-    return StructuredOutput(kind, value)
-
-
-def _sampling(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    return SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens,
-        logit_bias=_logit_bias(req.logit_bias),
-        structured_output=_structured(req),
-    )
 
 
 def _usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
@@ -143,7 +74,7 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of must equal n (or be left out)", param="best_of")
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        params = _sampling(req, req.max_tokens, req.logprobs, prompt_lp)
+        params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
         prompts = self._prompts(req.prompt)
         rid, arrival = new_request_id("cmpl"), time.time()
         streams = [
@@ -274,7 +205,7 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+        params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
         held_calls = tools.constraint()  # a named function or "required"; "auto" may take a grammar too
         if held_calls is not None:
             if params.structured_output is not None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 
-PARSERS = ("hermes", "llama3_json")
 START, END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _BLOCK = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
