@@ -67,10 +67,13 @@ def supported_targets() -> list[str]:
     return [name for name, (_, needs) in TARGETS.items() if needs <= flags]
 
 
-def lower_test_target() -> str | None:
-    """The next target below this CPU's best that the tests also run (avx2 on an AVX-512 CPU,
-    generic on an AVX2 one), or None."""
-    return next((t for t in supported_targets()[1:] if t in ("avx2", "generic")), None)
+def lower_test_targets() -> list[str]:
+    """The targets below this CPU's best that the tests also run: every lower vector target
+    (avx512 and avx2 on an AVX-512 BF16 or AMX CPU, avx2 on an AVX-512 one), else generic (an
+    AVX2 CPU). Each kind of CI machine so covers the paths of the kinds below it."""
+    lower = supported_targets()[1:]
+    vector = [t for t in lower if t != "generic"]
+    return vector or lower
 
 
 def build_target() -> str:
@@ -172,13 +175,17 @@ def cpu_ops_for(x: torch.Tensor) -> object | None:
 
 
 if __name__ == "__main__":  # `python -m engine.kernels.cpu_ops [--lower]`: build now, say which path
+    import subprocess
     import sys
 
     logging.basicConfig(level=logging.INFO)
-    if "--lower" in sys.argv[1:]:  # `make test` builds the tests' lower target up front too
-        lower = lower_test_target()
-        if lower is None:
+    if "--lower" in sys.argv[1:]:  # `make test` builds the tests' lower targets up front too
+        targets = lower_test_targets()
+        if not targets:
             raise SystemExit("orbital CPU ops: no lower target on this CPU")
-        os.environ["ORBITAL_CPU_ISA"] = lower
+        for target in targets:  # one process each: a process loads one build of the module
+            env = {**os.environ, "ORBITAL_CPU_ISA": target}
+            subprocess.run([sys.executable, "-m", "engine.kernels.cpu_ops"], env=env, check=True)
+        raise SystemExit(0)
     mod = load_cpu_ops()
     print(f"orbital CPU ops: {mod.isa() if mod is not None else 'unavailable (PyTorch fallback)'}")

@@ -1,7 +1,8 @@
-"""The C++ ops' build targets: chosen from the CPU's flags, keyed per target, and the next lower
-target this CPU can run passes the kernel tests too (an AVX-512 CI machine also checks the AVX2
-build, an AVX2 one the generic build), in its own process. `make test` builds that target up
-front (`python -m engine.kernels.cpu_ops --lower`), as it builds the best one."""
+"""The C++ ops' build targets: chosen from the CPU's flags, keyed per target, and the lower
+targets this CPU can run pass the kernel tests too (an AVX-512 BF16 or AMX CI machine also
+checks the AVX-512 and AVX2 builds, an AVX-512 one the AVX2 build, an AVX2 one the generic
+build), each in its own process. `make test` builds them up front (`python -m
+engine.kernels.cpu_ops --lower`), as it builds the best one."""
 
 import os
 import subprocess
@@ -11,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine.kernels import cpu_ops
-from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, lower_test_target, supported_targets
+from engine.kernels.cpu_ops import TARGETS, build_target, load_cpu_ops, lower_test_targets, supported_targets
 
-LOWER = [t for t in [lower_test_target()] if t]  # the next target below this CPU's best
+LOWER = lower_test_targets()
 KERNEL_TESTS = [
     "tests/engine/test_attention_backends.py",
     "tests/engine/test_kv_int8_kernels.py",
@@ -32,6 +33,31 @@ def test_targets_follow_the_cpu_flags(monkeypatch):
     assert supported_targets() == ["avx512_bf16", "avx512", "avx2", "generic"]
     monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: {"sse2"})
     assert supported_targets() == ["generic"]
+
+
+# /proc/cpuinfo flags of the three x86 CI kinds (vector extensions only) and what each runs.
+AVX2_EPYC = {"sse4_2", "avx", "avx2", "fma", "f16c"}
+AVX512_XEON = AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni"}
+ZEN4 = AVX512_XEON | {"avx512_bf16", "avx512ifma", "avx512vbmi", "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq"}
+AMX_XEON = ZEN4 | {"avx512_fp16", "amx_bf16", "amx_int8", "amx_tile"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "best", "lower"),
+    [
+        (AVX2_EPYC, "avx2", ["generic"]),
+        (AVX512_XEON, "avx512", ["avx2"]),
+        (ZEN4, "avx512_bf16", ["avx512", "avx2"]),
+        (AMX_XEON, "avx512_bf16", ["avx512", "avx2"]),
+    ],
+    ids=["avx2-epyc", "avx512-xeon", "zen4", "amx-xeon"],
+)
+def test_each_cpu_kind_builds_its_best_and_tests_every_lower_vector_target(monkeypatch, flags, best, lower):
+    monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("ORBITAL_CPU_ISA", raising=False)
+    assert build_target() == best
+    assert lower_test_targets() == lower
     monkeypatch.setattr(cpu_ops.platform, "machine", lambda: "aarch64")
     assert supported_targets() == ["generic"]
 

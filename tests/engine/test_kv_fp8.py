@@ -15,6 +15,7 @@ import torch
 from engine import LLM
 from engine.core.block_hash import kv_hash_root
 from engine.errors import InvalidRequestError
+from tests.engine.path_agreement import assert_paths_agree
 from tests.engine.test_kv_int8 import kv_hand_off, kv_perplexity_change
 from tests.engine.test_kv_transfer import _assert_pools_whole
 
@@ -54,12 +55,9 @@ def test_the_kv_dtypes_salt_block_hashes_apart():
 
 def test_fp8_kv_hand_off_moves_float8_rows_with_their_scales(reference_backend):
     with kv_hand_off("fp8_e4m3") as h:
-        # Not token for token: the prefill engine's K/V come from other GEMM shapes than the
-        # colocated batch's, and a last-bit difference can move a value across an e4m3 rounding
-        # boundary (a 6% step, 16x int8's), which can flip a later near-tie (seen at token 7).
-        for a, b in zip(h.got, h.expected):
-            assert a.error is None and len(a.outputs[0].token_ids) == 16
-            assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+        # fp8's step is 16x int8's, so a last-bit difference between the paths' GEMMs moves
+        # more: the bound is measured against a float cache (tests/engine/path_agreement.py).
+        assert_paths_agree(h.got, h.expected, h.bound)
         assert h.moved and all(
             b.data.dtype == torch.float8_e4m3fn and b.layout.dtype == "float8_e4m3fn" for _, b in h.moved
         )

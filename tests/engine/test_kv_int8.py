@@ -14,13 +14,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
+from tests.engine.path_agreement import assert_paths_agree, rounding_bound
 from tests.engine.test_kv_transfer import (
     LONG,
     LONGER,
     SHORT,
     _assert_pools_whole,
     _run_pd,
-    _same,
     assert_other_dtype_refused,
 )
 from tests.engine.test_quantization import agreement, assert_hits_and_preemption_keep_tokens, quality
@@ -64,7 +64,7 @@ def test_int8_kv_perplexity_within_half_a_percent_of_the_float_cache():
 
 
 def test_int8_kv_with_prefix_cache_hits_and_preemption_keeps_its_tokens():
-    assert_hits_and_preemption_keep_tokens(kv_cache_dtype="int8")
+    assert_hits_and_preemption_keep_tokens(rounding={"kv_cache_dtype": "auto"}, kv_cache_dtype="int8")
 
 
 def test_the_kv_dtype_salts_block_hashes_and_the_router_computes_the_same():
@@ -100,7 +100,10 @@ def kv_hand_off(kv_cache_dtype: str) -> Iterator[SimpleNamespace]:
         prompts = [SHORT, LONG, LONGER]
         expected = colocated.generate(prompts, params, use_tqdm=False)
         got, moved = _run_pd(decode, prefill, prompts, params)
-        yield SimpleNamespace(prefill=prefill, decode=decode, expected=expected, got=got, moved=moved)
+        engines.append(LLM(**(kw | {"kv_cache_dtype": "auto"})))
+        fine = engines[-1].generate(prompts, params, use_tqdm=False)
+        bound = rounding_bound(expected, fine)
+        yield SimpleNamespace(prefill=prefill, decode=decode, expected=expected, got=got, moved=moved, bound=bound)
     finally:
         for llm in engines:
             llm.shutdown()
@@ -108,8 +111,7 @@ def kv_hand_off(kv_cache_dtype: str) -> Iterator[SimpleNamespace]:
 
 def test_int8_kv_hand_off_moves_the_scales_and_a_float_payload_is_refused():
     with kv_hand_off("int8") as h:
-        for a, b in zip(h.got, h.expected):
-            _same(a, b, logprob_tol=1e-3)
+        assert_paths_agree(h.got, h.expected, h.bound)
         assert h.moved and all(blk.data.dtype == torch.int8 and blk.layout.dtype == "int8" for _, blk in h.moved)
         assert h.moved[0][1].data.shape[-1] == h.decode.engine.model_config.head_dim + 2  # values + scale
         _assert_pools_whole(h.decode, h.prefill)

@@ -59,7 +59,9 @@ def test_int4_and_gguf_perplexity_within_bounds_of_float32():
 
 @pytest.mark.parametrize("quantization", ["int4", "gguf"])
 def test_int4_with_prefix_cache_hits_and_preemption_keeps_its_tokens(quantization):
-    assert_hits_and_preemption_keep_tokens(quantization=quantization)
+    # Where the CPU has bf16 dot products the int4 paths round activations to bf16: the same
+    # weights with every activation in bf16 round more than that, so they bound its effect.
+    assert_hits_and_preemption_keep_tokens(rounding={"dtype": "bfloat16"}, quantization=quantization)
 
 
 def test_gguf_needs_a_gguf_model(tmp_path):
