@@ -277,10 +277,11 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - every stream must learn the engine died
             log.exception("engine loop died")
             self._dead = e
-            err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+            msg = f"engine step failed: {type(e).__name__}: {e}"
+            suspects = self.engine.core.fatal_suspects
             with self._lock:
                 for s in self._streams.values():
-                    s.put(err)
+                    s.put(EngineStepError(msg, suspect=bool(s.open_children & suspects)))
         finally:
             with self._lock:
                 for s in list(self._streams.values()):

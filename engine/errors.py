@@ -25,4 +25,12 @@ class EngineDeadError(OrbitalError, RuntimeError):
 
 class EngineStepError(EngineDeadError):
     """The engine loop died because a step raised: one of the requests in that step may be the
-    cause, so a request that sees this twice is not moved to a third engine."""
+    cause, so a request that sees this twice is not moved to a third engine, and one that first
+    ran in that step (`suspect`) is not moved at all."""
+
+    def __init__(self, message: str, suspect: bool = False) -> None:
+        super().__init__(message)
+        self.suspect = suspect
+
+    def __reduce__(self):  # crosses Ray pickled: keep `suspect`
+        return type(self), (str(self), self.suspect)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.errors import InvalidRequestError, PromptTooLongError
@@ -75,6 +76,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if prompt == "":
                 raise InvalidRequestError("prompt is empty", param="prompt")
+            self.check_chars(len(prompt))
             return prompt, self.tokenizer(prompt).input_ids
         if isinstance(prompt, (list, tuple)):
             return None, self.check_token_ids(prompt)
@@ -119,18 +121,35 @@ class InputProcessor:
 
     def tokenize_chat(self, messages: list[dict], **kwargs: Any) -> tuple[str, list[int]]:
         text = self.apply_chat_template(messages, **kwargs)
+        self.check_chars(len(text))
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: its longest vocabulary entry (a byte-level
+        or SentencePiece entry is never shorter than its text)."""
+        return max((len(t) for t in self.tokenizer.get_vocab()), default=1) or 1
+
+    def check_chars(self, num_chars: int) -> None:
+        """PromptTooLongError, before tokenizing, for text that cannot fit the context in any
+        tokenization: a client's megabytes are refused without holding a thread on them."""
+        limit = self.mc.max_model_len
+        if num_chars > limit * self.max_token_chars:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {limit} tokens; the prompt has {num_chars} characters, "
+                f"more than {limit} tokens can hold (at most {self.max_token_chars} characters each).",
+                param="prompt",
+            )
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The checks of a request that need the model: PromptTooLongError unless prompt + output
-        fit the context, InvalidRequestError for a logit_bias token outside the vocabulary.
-        Returns max_tokens."""
+        fit the context, InvalidRequestError for a logit_bias or stop token outside the
+        vocabulary or min_tokens past the output's room. Returns max_tokens."""
         v = self.mc.vocab_size
-        bad = [t for t in params.logit_bias or {} if not 0 <= t < v]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias token {bad[0]} is outside the vocabulary [0, {v})", param="logit_bias"
-            )
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < v]
+            if bad:
+                raise InvalidRequestError(f"{name} token {bad[0]} is outside the vocabulary [0, {v})", param=name)
         p, limit = len(prompt_ids), self.mc.max_model_len
         if p >= limit:
             raise PromptTooLongError(
@@ -145,6 +164,11 @@ class InputProcessor:
                 f"{p + max_tokens} tokens ({p} in the prompt, {max_tokens} for the completion). "
                 "Reduce the prompt or max_tokens.",
                 param="max_tokens",
+            )
+        if params.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({params.min_tokens}) must be <= the completion's room ({max_tokens} tokens)",
+                param="min_tokens",
             )
         return max_tokens
 
@@ -162,6 +186,8 @@ class InputProcessor:
         the prompt), so they continue like a preempted request that recomputes: penalties,
         min/max tokens, stop checks and seeded draws (keyed by output position) go on unchanged."""
         max_tokens = self.check_request(prompt_ids, params)
+        if params.top_k >= self.mc.vocab_size:  # keeps every token: the same as off, and fits int64
+            params = dataclasses.replace(params, top_k=0)
         eos = self.mc.eos_token_ids
         reqs = []
         for i, rid in enumerate(child_request_ids(request_id, params.n)):
@@ -174,8 +200,12 @@ class InputProcessor:
             )
             if len(eos) > 1 and not sp.ignore_eos:  # extra EOS ids (e.g. Llama 3) stop like EOS
                 sp = dataclasses.replace(sp, stop_token_ids=list(dict.fromkeys(sp.stop_token_ids + list(eos[1:]))))
-            # Siblings share prompt blocks through the hash map even with prefix caching off.
-            salt = None if self.prefix_caching or params.n == 1 else f"n:{request_id}"
+            # With prefix caching on, the client's salt keeps its blocks among requests with the
+            # same salt; with it off, siblings share prompt blocks through the hash map all the same.
+            if self.prefix_caching:
+                salt = params.cache_salt
+            else:
+                salt = f"n:{request_id}" if params.n > 1 else None
             kw = {} if arrival_time is None else {"arrival_time": arrival_time}
             so = sp.structured_output
             if so is not None:  # each sequence its own place in the grammar

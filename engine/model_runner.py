@@ -27,6 +27,9 @@ from engine.runner_state import RunnerRequestState, RunnerStates
 from engine.sampling_metadata import SamplingMetadata
 from engine.spec_decode.verify import accept_drafts
 
+# Logits rows computed at once for prompt logprobs, and reserved by the memory profile.
+LOGIT_ROWS = 256
+
 
 def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
     # Seeded by (seed, output position): reproducible whatever the batch, and across preemption.
@@ -121,7 +124,7 @@ class ModelRunner:
         return max(2, budget // self.bytes_per_block())
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_logit_rows: int = 256) -> None:
+    def profile_run(self, num_tokens: int, num_logit_rows: int = LOGIT_ROWS) -> None:
         """One dummy prefill step of `num_tokens` tokens (sequences of at most max_model_len, as
         the scheduler would batch them) and the logits of a full decode batch, on a pool just big
         enough for it, which is freed again: its peak memory is a step's."""
@@ -262,8 +265,8 @@ class ModelRunner:
             )
         ]
         num_sample_rows = len(rows)
-        rows += [row for _, rs, _, _ in prompt_lp for row in rs]
         logits = self.model.compute_logits(hidden[rows]) if rows else None
+        prompt_lp = self._prompt_logprobs(hidden, prompt_lp, by_id)
         for k, r in enumerate(batch.request_ids):
             by_id[r].num_computed_tokens += batch.counts[k]
         if self.tp.rank != 0:
@@ -307,6 +310,21 @@ class ModelRunner:
             out.append((r, rows, st.prompt_token_ids[nc + 1 : last + 1], nc == 0))
         return out
 
+    def _prompt_logprobs(self, hidden, prompt_lp, by_id) -> dict[str, list]:
+        """Each request's prompt logprobs of this step, from logits computed LOGIT_ROWS at a time:
+        the memory profile reserves that many rows, and a whole chunk's rows at once (up to
+        max_num_batched_tokens x the vocabulary in float32) could exceed what the pool left.
+        Every rank runs the same chunks (the LM head may be a collective); rank 0 gets {}."""
+        got: dict[str, list] = {}
+        for r, rows, targets, starts_prompt in prompt_lp:
+            k, lps = by_id[r].sampling_params.prompt_logprobs, []
+            for i in range(0, len(rows), LOGIT_ROWS):
+                logits = self.model.compute_logits(hidden[rows[i : i + LOGIT_ROWS]])
+                if logits is not None:
+                    lps += compute_prompt_logprobs(logits, targets[i : i + LOGIT_ROWS], k)
+            got[r] = ([None] if starts_prompt else []) + lps
+        return got
+
     def _sample(
         self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, ns: int, prompt_lp, bitmasks
     ) -> ModelRunnerOutput:
@@ -325,12 +343,7 @@ class ModelRunner:
                 out.request_ids.append(s.request_id)
                 out.sampled_token_ids.append(emitted)
                 out.logprobs.append(lps)
-        off = ns
-        for r, rows, targets, starts_prompt in prompt_lp:
-            st = by_id[r]
-            lps = compute_prompt_logprobs(logits[off : off + len(rows)], targets, st.sampling_params.prompt_logprobs)
-            off += len(rows)
-            out.prompt_logprobs[r] = ([None] if starts_prompt else []) + lps
+        out.prompt_logprobs.update(prompt_lp)
         sampled = set(out.request_ids)
         for r in batch.request_ids:  # partial prefill chunks: no token this step
             if r not in sampled:

@@ -215,7 +215,9 @@ class OutputProcessor:
                 CompletionOutput(
                     index=c.index,
                     text=c.text[:end],
-                    token_ids=list(c.token_ids),
+                    # The child's own growing list, as `logprobs`: copying it every step cost
+                    # O(output) per step. A consumer that keeps an output past the next one copies it.
+                    token_ids=c.token_ids,
                     logprobs=c.logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,

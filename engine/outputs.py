@@ -31,8 +31,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-    # Why it failed: "invalid" (the request itself; HTTP 400) or "unavailable" (the serving side
-    # could not run it, e.g. a remote prefill failed under policy `fail`; HTTP 503).
+    # Why it failed: "invalid" (the request itself; HTTP 400), "unavailable" (the serving side
+    # could not run it, e.g. a remote prefill failed under policy `fail`; HTTP 503) or "internal"
+    # (its step raised and it was failed alone: engine/core/step_faults.py; HTTP 500).
     error_kind: str = "invalid"
     queue_time: float | None = None  # seconds from arrival to first schedule; on the first tokens only
     # Prefill side of disaggregated serving: the finished request's KV, read out (kv_transfer.KVBlocks).

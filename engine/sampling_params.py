@@ -9,6 +9,10 @@ from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 
 _GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string: bounds the text side's hold-back check (stop_checker.py)
+MAX_STOP_TOKEN_IDS = 256  # the scheduler checks every sampled token against them
+MAX_N = 128
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -34,6 +38,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     structured_output: StructuredOutput | None = None  # the output must match it (engine/structured/)
+    # Prefix-cache blocks are shared only among requests with the same salt (vLLM's cache_salt):
+    # a tenant cannot probe another's prompts through cached_tokens.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,8 +61,8 @@ class SamplingParams:
                 raise bad(name, f"must be a finite number, got {v!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.n > 128:
-            raise bad("n", f"must be <= 128, got {self.n}")
+        if self.n > MAX_N:
+            raise bad("n", f"must be <= {MAX_N}, got {self.n}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -78,10 +85,14 @@ class SamplingParams:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise bad("stop", "must be non-empty strings")
-        if len(self.stop) > 16:
-            raise bad("stop", "accepts at most 16 strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"accepts at most {MAX_STOP_STRINGS} strings")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise bad("stop", f"strings must be at most {MAX_STOP_CHARS} characters long")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"accepts at most {MAX_STOP_TOKEN_IDS} ids")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
@@ -95,6 +106,10 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r}")
         if self.logit_bias is not None and len(self.logit_bias) > 1024:
             raise bad("logit_bias", "accepts at most 1024 tokens")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256
+        ):
+            raise bad("cache_salt", "must be a string of 1 to 256 characters")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output", "must be a StructuredOutput")

@@ -15,6 +15,7 @@ class EngineStats:
     num_running: int = 0  # sequences in the running batch
     num_waiting: int = 0  # sequences not scheduled yet, preempted ones included
     num_preemptions: int = 0  # cumulative
+    num_request_faults: int = 0  # cumulative: requests failed alone for a step they broke
     num_steps: int = 0  # cumulative
     num_blocks: int = 0
     kv_capacity_tokens: int = 0  # tokens the KV pool holds: num_blocks * block_size (its dtype decides how many)

@@ -37,12 +37,22 @@ class StopChecker:
 
     def hold_back(self, text: str) -> int:
         """Number of trailing characters of `text` that could still be the start of a stop
-        string; a streaming client must not see them yet."""
+        string; a streaming client must not see them yet.
+
+        Only the last len(s) - 1 characters can start a proper prefix of s, and a candidate start
+        must be an occurrence of s's first character: both searches run in C, so a call costs
+        O(len(s)) for ordinary text and at most O(len(s)^2) character compares for a periodic
+        one (MAX_STOP_CHARS bounds it)."""
         longest = 0
         for s in self.stop:
-            # Proper prefixes only: a full match would already have stopped the sequence.
-            for n in range(min(len(s) - 1, len(text)), longest, -1):
-                if text.endswith(s[:n]):
-                    longest = n
+            m = len(s) - 1  # proper prefixes only: a full match would already have stopped it
+            if m <= longest:
+                continue
+            tail = text[-m:]
+            i = tail.find(s[0])
+            while i != -1 and len(tail) - i > longest:
+                if s.startswith(tail[i:]):
+                    longest = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return longest

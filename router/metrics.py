@@ -102,6 +102,7 @@ COUNTERS = {
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
     "prefix_cache_hits": "Prefix cache hits, in tokens.",
     "num_preemptions": "Requests preempted by the scheduler.",
+    "num_request_faults": "Requests failed alone because their engine step raised (the engine went on).",
 }
 # Speculative decoding, named as vLLM's: metric name -> (engine stats key, help).
 SPEC_COUNTERS = {

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Iterable
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEventLog
 from engine.core.scheduler import Scheduler
+from engine.errors import EngineDeadError
 from engine.executor import Executor
 from engine.kv_transfer.blocks import KVBlocks
 from engine.kv_transfer.config import KVTransferConfig
@@ -46,6 +47,7 @@ class EngineCore:
         )
         self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
+        self.fatal_suspects: set[str] = set()  # requests first run in the step that killed the engine
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -70,7 +72,15 @@ class EngineCore:
         if self.step_threads is not None:
             self.step_threads.apply(so.total_num_scheduled_tokens)
         t0 = time.perf_counter()
-        mro = self.executor.execute_model(so)
+        try:
+            mro = self.executor.execute_model(so)
+        except Exception as e:
+            # A rank gone (tp>1) leaves nothing to isolate; else step_faults.py.
+            outputs = None if isinstance(e, EngineDeadError) else self.scheduler.isolate_fault(so, e)
+            if outputs is None:
+                self.fatal_suspects = {r.request_id for r in so.new_requests}
+                raise
+            return outputs
         self.scheduler.observe_step_time(so, time.perf_counter() - t0)
         outputs = self.scheduler.update_from_output(so, mro)
         self._export_kv(outputs)

@@ -8,6 +8,7 @@ tokens and applies stop conditions.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Iterable
@@ -20,6 +21,7 @@ from engine.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from engine.core.step_faults import StepFaults
 from engine.kv_transfer.config import KVTransferConfig
 from engine.kv_transfer.exports import KVExports
 from engine.kv_transfer.remote_prefill import KVLoadRequest, RemotePrefill
@@ -33,6 +35,8 @@ from engine.structured.matcher import step_bitmasks
 
 if TYPE_CHECKING:
     from engine.spec_decode.draft_model import DraftModelProposer
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -70,6 +74,8 @@ class Scheduler:
         # Prefill side: finished requests whose blocks are read out before they are freed.
         self.remote = RemotePrefill(kv_transfer, self.kv_cache_manager) if kv_transfer is not None else None
         self.exports = KVExports(self.kv_cache_manager)
+        self.faults = StepFaults()
+        self._fault_preempted: set[str] = set()  # rolled back after a failed step: the runner drops them
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -135,6 +141,7 @@ class Scheduler:
             self.drafting.forget(req.request_id)
             self._truncated.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
+        self.faults.quarantined.discard(req.request_id)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
@@ -166,7 +173,7 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, count: bool = True) -> None:
         self.kv_cache_manager.free(req)
         self._truncated.pop(req.request_id, None)
         if self.drafting is not None:
@@ -174,8 +181,9 @@ class Scheduler:
         self._prompt_logprobs.pop(req.request_id, None)  # recomputed from scratch
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:  # not a rollback after a failed step
+            req.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def observe_step_time(self, so: SchedulerOutput, seconds: float) -> None:
@@ -195,7 +203,9 @@ class Scheduler:
             if kept is not None:
                 self._truncated[req.request_id] = kept
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, isolate: bool = True) -> SchedulerOutput:
+        """`isolate` False: schedule as if no request were quarantined (the quarantined one at the
+        head could not be scheduled alone this step)."""
         out = SchedulerOutput()
         self.kv_cache_manager.begin_step()
         budget = self.config.max_num_batched_tokens
@@ -203,11 +213,20 @@ class Scheduler:
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
-        drafts = self.drafting.propose(self.running, self.waiting) if self.drafting is not None else {}
+        # After a failed step: one quarantined request runs its step alone (step_faults.py).
+        suspect = None
+        if isolate and self.faults.quarantined:
+            suspect = next((r for r in self.waiting if r.request_id in self.faults.quarantined), None)
+        if suspect is not None:
+            self.waiting.remove(suspect)
+            self.waiting.appendleft(suspect)
+        drafts = {}
+        if self.drafting is not None and suspect is None:
+            drafts = self.drafting.propose(self.running, self.waiting)
 
         # 1. Running requests, oldest first.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while suspect is None and i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
             if n <= 0:
@@ -251,12 +270,13 @@ class Scheduler:
         # 2. Waiting requests, unless this step had to preempt (memory is short).
         scheduled_new: list[Request] = []
         if not preempted:
-            if self.config.policy == "priority":
+            if self.config.policy == "priority" and suspect is None:
                 self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
             while (
                 self.waiting
                 and budget > 0
                 and len(self.running) + self.num_waiting_for_remote_kv < self.config.max_num_seqs
+                and (suspect is None or self.waiting[0] is suspect)
             ):
                 req = self.waiting[0]
                 tail = None
@@ -287,6 +307,10 @@ class Scheduler:
                 scheduled_new.append(req)
                 out.num_scheduled_tokens[req.request_id] = n
                 budget -= n
+                if suspect is not None:
+                    break
+        if suspect is not None and not scheduled_new:  # no room or held for remote KV: as usual
+            return self.schedule(isolate=False)
 
         # 3. Build the deltas, then advance the progress counters.
         for req in scheduled_new:
@@ -309,13 +333,52 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.grammar_bitmasks = step_bitmasks(scheduled_new + scheduled_running, out.scheduled_spec_tokens)
         out.kv_copies = self.kv_cache_manager.take_copies()
-        out.preempted_request_ids = {r.request_id for r in preempted}
+        out.preempted_request_ids = {r.request_id for r in preempted} | self._fault_preempted
+        self._fault_preempted = set()
         out.finished_request_ids = self.finished_req_ids
         self.finished_req_ids = set()
         if self._truncated:
             out.truncated_block_tables, self._truncated = self._truncated, {}
         self.num_steps += 1
         return out
+
+    def isolate_fault(self, so: SchedulerOutput, error: BaseException) -> list[EngineCoreOutput] | None:
+        """The step of `so` raised `error` (step_faults.py): roll back every request it ran, fail
+        the culprit or quarantine the suspects. Returns the outputs to hand out (the culprit's
+        error), or None when the fault is the step's own (the caller re-raises)."""
+        self.kv_cache_manager.release_copy_sources()
+        scheduled = [rid for rid in so.num_scheduled_tokens if rid in self.requests]
+        new_ids = [r.request_id for r in so.new_requests if r.request_id in self.requests]
+        culprit, suspects = self.faults.suspects(new_ids, scheduled)
+        if culprit is None and not suspects:
+            return None
+        if culprit is not None and not self.faults.found_culprit(culprit):
+            return None
+        for rid in scheduled:
+            req = self.requests[rid]
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens -= so.num_scheduled_tokens[rid]  # this step's KV was never written
+            self.running.remove(req)
+            if rid == culprit:
+                req.status = RequestStatus.FINISHED_ERROR
+                self._free_request(req)
+                msg = f"this request failed the engine step ({type(error).__name__}: {error}); it was not retried"
+                self._pending_outputs.append(
+                    EngineCoreOutput(rid, [], finish_reason="error", error=msg[:500], error_kind="internal")
+                )
+            else:
+                self._preempt(req, count=False)
+                self._fault_preempted.add(rid)
+        self.faults.quarantined.update(suspects)
+        log.warning(
+            "engine step failed (%s: %s); %s",
+            type(error).__name__,
+            error,
+            f"request {culprit} failed alone" if culprit else f"quarantined {len(suspects)} new request(s)",
+        )
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
 
@@ -357,6 +420,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         self.kv_cache_manager.release_copy_sources()
         mro = model_runner_output
+        self.faults.step_ok(scheduler_output.num_scheduled_tokens)
         index = {rid: i for i, rid in enumerate(mro.request_ids)}
         for rid in scheduler_output.num_scheduled_tokens:
             req = self.requests.get(rid)
@@ -450,6 +514,7 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_preemptions=self.num_preemptions,
+            num_request_faults=self.faults.num_isolated,
             num_steps=self.num_steps,
             num_blocks=kv["num_blocks"],
             kv_capacity_tokens=kv["num_blocks"] * self.kv_cache_manager.block_size,

@@ -85,9 +85,14 @@ class APIError(Exception):
 
 
 def _unwrap(exc: BaseException) -> BaseException:
-    while isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None and exc.cause is not exc:
-        exc = exc.cause
-    return exc
+    """The error that says what happened: a Ray task error's cause, an exception group's first."""
+    while True:
+        if isinstance(exc, RayTaskError) and getattr(exc, "cause", None) is not None and exc.cause is not exc:
+            exc = exc.cause
+        elif isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+            exc = exc.exceptions[0]
+        else:
+            return exc
 
 
 def _loc(loc: tuple) -> str:
@@ -136,7 +141,12 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, (ValidationError, RequestValidationError)):
         return from_validation_error(exc)
     if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc))
+        # Ray's text names actors, nodes and addresses: the body says what happened in our own
+        # words, the log line has the rest under the same incident id.
+        incident = uuid.uuid4().hex[:16]
+        log.warning("engine unavailable, incident %s: %s", incident, exc)
+        public = getattr(exc, "public_message", None) or "the engine replica serving this request is unavailable"
+        return APIError(503, f"{public}; retry later (incident {incident})")
     if isinstance(exc, TimeoutError):
         return APIError(504, "the request timed out", code="timeout")
     # The body names no exception internals; the log line carries them under the same id.
@@ -183,11 +193,11 @@ def install_handlers(app: FastAPI) -> None:
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, at most `limit` bytes (413 past it, 400 if not JSON, 415 when
-    the Content-Type names something else: a browser may post a form cross-site, never JSON)."""
+    """The request body as JSON, at most `limit` bytes (413 past it, 400 if not JSON, 415 unless
+    the Content-Type is JSON: a browser may post a form or a typeless beacon cross-site, never JSON)."""
     ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-        raise APIError(415, f"Content-Type must be application/json, got {ctype!r}")
+    if ctype != "application/json" and not ctype.endswith("+json"):  # none at all included (a beacon)
+        raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is {length} bytes; the limit is {limit}")
@@ -206,5 +216,6 @@ async def read_json(request: Request, limit: int) -> Any:
 
 
 def error_status(out: object) -> int:
-    """HTTP status of a request the engine failed (engine.outputs.RequestOutput.error_kind)."""
-    return 503 if getattr(out, "error_kind", "invalid") == "unavailable" else 400
+    """HTTP status of a request the engine failed (engine.outputs.RequestOutput.error_kind):
+    "invalid" 400, "unavailable" 503, "internal" 500 (its step failed: engine/core/step_faults.py)."""
+    return {"unavailable": 503, "internal": 500}.get(getattr(out, "error_kind", "invalid"), 400)

@@ -42,7 +42,12 @@ class ReplicaDrainingError(EngineDeadError):
 
 
 class MigrationFailedError(EngineDeadError):
-    """The request's replica failed and the request could not move to another one. HTTP 503."""
+    """The request's replica failed and the request could not move to another one. HTTP 503;
+    the client sees `reason`, the log the replica's error."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.public_message = f"the engine replica running this request failed and it could not move: {reason}"
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -90,14 +95,18 @@ class Migration:
     def next_move(self, replica: str | None, error: BaseException, params: SamplingParams) -> None:
         """Count a move away from `replica`; raises MigrationFailedError when none is allowed."""
         reason = unmovable_reason(params)
-        if isinstance(_cause(error), EngineStepError):
+        if isinstance(cause := _cause(error), EngineStepError):
             self.step_failures += 1
-            if self.step_failures >= 2:
+            if cause.suspect:
+                reason = "the engine step that failed was its first there; it may be the cause, so it does not move"
+            elif self.step_failures >= 2:
                 reason = "an engine step failed with it on two replicas; it may be the cause, so it does not move again"
         if reason is None and self.moves >= self.limit:
             reason = f"it already moved {self.moves} times (max_migrations={self.limit})"
         if reason is not None:
-            raise MigrationFailedError(f"the engine replica running this request failed ({error}); {reason}") from error
+            raise MigrationFailedError(
+                f"the engine replica running this request failed ({error}); {reason}", reason
+            ) from error
         self.moves += 1
         if replica is not None and replica not in self.left:
             self.left += (replica,)
