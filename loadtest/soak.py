@@ -4,6 +4,9 @@ a server running. Closed loop at `--concurrency` on the mixed workload for `--mi
 run on this machine) gets SIGKILL while another stays up. At the end: requests sent, completed,
 moved to another replica and failed (the aim is 0), TTFT and end-to-end p50/p99 per minute (a
 plot), and whether every KV block went back to its pool (the server's /metrics once idle).
+With `--poison-every-s`, a hostile request (ids past the vocabulary, huge top_k, stop strings
+past their cap, a multi-prompt body with a prompt too long) goes out that often beside the
+traffic: the report counts their answers and the engine replicas that died without being killed.
 
     python -m loadtest.soak --server-cmd "orbital serve --replicas 2 --port 8012" \
         --base-url http://127.0.0.1:8012 --minutes 30 --concurrency 64 --kill-every-s 240
@@ -61,6 +64,45 @@ async def killer(every_s: float, until: float, rng: random.Random, log: list) ->
         pid = rng.choice(pids)
         os.kill(pid, signal.SIGKILL)
         log.append({"t": time.time(), "killed_pid": pid})
+
+
+# Requests that once took an engine replica down or answered 500 (README, Reliability).
+POISON = [
+    {"prompt": "hi", "max_tokens": 4, "top_k": 2**63, "temperature": 1},
+    {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [2**64], "min_tokens": 1},
+    {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [10**9], "min_tokens": 1},
+    {"prompt": "hi", "max_tokens": 4, "stop": ["x" * 200_000] * 16},
+    {"prompt": ["hi", "word " * 50_000], "max_tokens": 4},
+    {"prompt": "hi", "max_tokens": 4, "seed": 2**64 + 1, "temperature": 1, "top_k": 2**40},
+]
+
+
+async def poisoner(root: str, every_s: float, until: float, log: list) -> None:
+    """One poison request every `every_s`; each answer's status goes to `log`."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        i = 0
+        while time.monotonic() + every_s < until:
+            await asyncio.sleep(every_s)
+            body = POISON[i % len(POISON)]
+            i += 1
+            try:
+                r = await client.post(root + "/v1/completions", json=body)
+                log.append({"t": time.time(), "status": r.status_code})
+            except httpx.HTTPError as e:
+                log.append({"t": time.time(), "status": type(e).__name__})
+
+
+async def pid_watch(until: float, log: list, kills: list) -> None:
+    """Engine replica pids that vanished without the killer's SIGKILL: replica deaths the soak
+    did not cause."""
+    seen = set(engine_pids())
+    while time.monotonic() < until:
+        await asyncio.sleep(1.0)
+        now = set(engine_pids())
+        killed = {k["killed_pid"] for k in kills if "killed_pid" in k}
+        for pid in seen - now - killed:
+            log.append({"t": time.time(), "died_pid": pid})
+        seen = now
 
 
 def per_minute(records, start_wall: float) -> list[dict]:
@@ -127,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--kill-every-s", type=float, default=240.0)
     p.add_argument("--output-tokens", type=int, default=None, help="cap every output length")
+    p.add_argument("--poison-every-s", type=float, default=0.0, help="send a poison request this often (0: none)")
     p.add_argument("--out-dir", default="loadtest-results/soak")
     a = p.parse_args(argv)
 
@@ -140,19 +183,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.makedirs(a.out_dir, exist_ok=True)
     kills: list[dict] = []
+    poison: list[dict] = []
+    deaths: list[dict] = []
     with ServerProcess(a.server_cmd, cfg.root, a.server_timeout, os.path.join(a.out_dir, "server.log")):
         before = scrape(cfg.root)
         start_wall = time.time()
 
         async def soak():
             until = time.monotonic() + duration
-            task = asyncio.create_task(killer(a.kill_every_s, until, random.Random(a.seed), kills))
+            tasks = [
+                asyncio.create_task(killer(a.kill_every_s, until, random.Random(a.seed), kills)),
+                asyncio.create_task(pid_watch(until, deaths, kills)),
+            ]
+            if a.poison_every_s > 0:
+                tasks.append(asyncio.create_task(poisoner(cfg.root, a.poison_every_s, until, poison)))
             try:
                 return await run_async(
                     specs, cfg, ClosedLoop(a.concurrency), max_duration=duration, progress=not a.no_progress
                 )
             finally:
-                task.cancel()
+                for task in tasks:
+                    task.cancel()
 
         out = asyncio.run(soak())
         after = wait_idle(cfg.root)
@@ -175,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "per_minute": per_minute(recs, start_wall),
         "kills": kills,
+        "poison_sent": len(poison),
+        "poison_answers": dict(Counter(str(p["status"]) for p in poison)),
+        "replica_deaths_not_killed": len(deaths),
     }
     with open(os.path.join(a.out_dir, "soak.json"), "w") as f:
         json.dump(summary, f, indent=2)
@@ -183,10 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| " + " | ".join(keys) + " | KV usage at end |")
     print("|" + "---|" * (len(keys) + 1))
     print("| " + " | ".join(f"{summary[k]:g}" for k in keys) + f" | {after.get('orbital:kv_cache_usage_perc')} |")
+    if poison:
+        print(f"poison requests: {len(poison)} sent, answers {summary['poison_answers']}")
+    print(f"engine replica deaths the soak did not cause: {len(deaths)}")
     if failed:
         print("failures:", dict(failed))
     print(f"\nwritten to {a.out_dir}/: soak.json, latency_over_time.png")
-    return 0 if not failed else 1
+    bad_poison = any(str(p["status"]).startswith("5") or not str(p["status"]).isdigit() for p in poison)
+    return 0 if not failed and not deaths and not bad_poison else 1
 
 
 if __name__ == "__main__":

@@ -132,6 +132,8 @@ def build_app(cfg: AppConfig | dict | None = None) -> Application:
         cfg = cfg.model_copy(
             update={"models": models, "autoscaling": pools[0].autoscaling, "drain_timeout_s": pools[0].drain_timeout_s}
         )
+    # The config travels as the ingress's init arguments (Ray's metadata): it names the key file
+    # or variable, which the replica reads itself; only a literal `api_key` is in it.
     return _ingress(cfg, pools).bind(engines, cfg.model_dump())
 
 
@@ -150,7 +152,11 @@ def _engine_deployment(
         pool = pool.model_copy(update={"drain_timeout_s": drain})
     options["ray_actor_options"] = engine_omp_wait(single_loop(options["ray_actor_options"]))
     app = EngineReplica.options(name=name, **options).bind(
-        pool.engine_args(kv_role), pool.max_queued_requests_per_replica, cfg.stuck_step_timeout_s, **bind_kwargs
+        pool.engine_args(kv_role),
+        pool.max_queued_requests_per_replica,
+        cfg.stuck_step_timeout_s,
+        router_lease_s=cfg.router_lease_s,
+        **bind_kwargs,
     )
     return pool, app
 
@@ -181,10 +187,14 @@ def _build_disaggregated(cfg: AppConfig) -> Application:
 
 
 def _ingress(cfg: AppConfig, pools: list[AppConfig]):
+    actor: dict[str, Any] = {"num_cpus": cfg.router_cpus}
+    if cfg.router_resources:  # e.g. the head: where a cluster keeps the key file
+        actor["resources"] = dict(cfg.router_resources)
     return Ingress.options(
         num_replicas=cfg.router_replicas,
-        ray_actor_options=single_loop({"num_cpus": cfg.router_cpus}),
+        ray_actor_options=single_loop(actor),
         max_ongoing_requests=max(1000, 4 * sum(p.max_queued_requests for p in pools)),
+        max_queued_requests=cfg.max_waiting_connections,  # past the ongoing limit: refused, not held
         # A redeploy replaces the router too. The old one takes no new requests but relays its
         # open streams to the end (their engine requests run, or move, elsewhere): a stream may
         # last up to the request deadline. Serve stops it as soon as they are done.

@@ -37,13 +37,18 @@ class _Queue:
         self.rejected = 0
         self._starts: deque[float] = deque(maxlen=64)  # when recent requests left the queue
 
-    def admit(self, request_id: str) -> None:
-        if len(self.queued) >= self.max_queued:
+    def check_room(self, num_requests: int = 1) -> None:
+        """OverloadedError unless `num_requests` more fit now (before the work that precedes
+        `admit`, e.g. tokenizing: a full queue refuses without it)."""
+        if len(self.queued) + num_requests > self.max_queued:
             self.rejected += 1
             raise OverloadedError(
                 f"{self.what} has {len(self.queued)} queued requests (limit {self.max_queued}); retry later",
                 self.retry_after(),
             )
+
+    def admit(self, request_id: str) -> None:
+        self.check_room()
         self.queued[request_id] = time.monotonic()
         self.in_flight += 1
 

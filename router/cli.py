@@ -111,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=os.environ.get("ORBITAL_API_KEY"), help="bearer key (or $ORBITAL_API_KEY)")
+    # No default from $ORBITAL_API_KEY here: AppConfig keeps only the variable's name, and the
+    # ingress replica reads it, so the key stays out of Ray's deployment arguments.
+    s.add_argument("--api-key", default=None, help="bearer key (default: $ORBITAL_API_KEY, read by the router)")
     s.add_argument("--api-key-file", default=None, help="file holding the bearer key")
     s.add_argument(
         "--allow-unauthenticated",

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.engine_args import EngineArgs as _E
 
+ENV_KEY = "ORBITAL_API_KEY"  # the bearer key's default environment variable
+
 
 class ModelPool(BaseModel):
     """One served model: its own engine deployment, tokenizer and queues. A field left out (or
@@ -118,6 +120,11 @@ class AppConfig(BaseModel):
     # --- the router ---
     router_replicas: int = Field(1, ge=1, description="Router (ingress) replicas.")
     router_cpus: float = Field(0.0, ge=0, description="Ray CPUs reserved per router replica.")
+    router_resources: dict[str, float] | None = Field(
+        None,
+        description="Custom Ray resources each router replica asks for (pins the routers to the nodes that "
+        'advertise them; `{"node:__internal_head__": 0.001}`: the head, where a cluster keeps the key file).',
+    )
     routing: Literal["cache-aware", "least-loaded", "round-robin"] = Field(
         "cache-aware",
         description="Replica choice: cache-aware (the replica holding most of the prompt's KV blocks, "
@@ -131,6 +138,32 @@ class AppConfig(BaseModel):
     )
     max_request_body_bytes: int = Field(4 << 20, ge=1024, description="Request body limit; past it: 413.")
     request_timeout_s: float = Field(600.0, gt=0, description="Per-request deadline; past it: 504 (or an error event).")
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Time a client has to send its request body; past it: 408 (a trickling client)."
+    )
+    write_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Time one write to a client may wait for it to read; past it the stream is cut and "
+        "its request aborted (a client that stopped reading).",
+    )
+    max_waiting_connections: int = Field(
+        1000,
+        ge=1,
+        description="HTTP requests a router replica holds waiting for a slot past its ongoing limit (Serve's "
+        "max_queued_requests); past it they are refused at once.",
+    )
+    report_cached_tokens: bool = Field(
+        True,
+        description="Responses report usage.prompt_tokens_details.cached_tokens. Off for mutually untrusted "
+        "tenants that do not each send a cache_salt (a hit reveals that someone sent the same prefix).",
+    )
+    router_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="An engine replica aborts the requests of a router it has not heard from for this long "
+        "(the router died), freeing their KV blocks; routers renew their lease every third of it.",
+    )
     tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
         None,
         description="The model's tool-call syntax, for tool_choice 'auto' (hermes: <tool_call> JSON "
@@ -164,9 +197,19 @@ class AppConfig(BaseModel):
         "and finishes its running ones for at most this long; the rest move to other replicas.",
     )
     api_key: str | None = Field(
-        None, description="Bearer key for /v1 and TGI routes (default: api_key_file, then $ORBITAL_API_KEY)."
+        None,
+        description="Bearer key for /v1 and TGI routes (default: api_key_file, then api_key_env). Given here, "
+        "the key travels in the router deployment's arguments (Ray's metadata); the file or the environment "
+        "variable keeps it out: those are read by the router replica itself.",
     )
-    api_key_file: str | None = Field(None, description="File holding the bearer key (~ expanded; one line).")
+    api_key_file: str | None = Field(
+        None, description="File holding the bearer key (~ expanded; one line), read where the router runs."
+    )
+    api_key_env: str | None = Field(
+        None,
+        description="Environment variable holding the bearer key, read where the router runs (default: "
+        "ORBITAL_API_KEY when it is set where the config is built and no api_key / api_key_file is).",
+    )
     allow_unauthenticated: bool = Field(
         False, description="Serve without a key on a non-loopback HTTP bind (otherwise the ingress refuses to start)."
     )
@@ -243,8 +286,10 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _defaults(self) -> "AppConfig":
-        if self.api_key is None and not self.api_key_file and os.environ.get("ORBITAL_API_KEY"):
-            self.api_key = os.environ["ORBITAL_API_KEY"]
+        # The variable's name, never its value: the config is the router deployment's arguments,
+        # so a value copied here would sit in Ray's metadata.
+        if self.api_key is None and not self.api_key_file and not self.api_key_env and os.environ.get(ENV_KEY):
+            self.api_key_env = ENV_KEY
         return self
 
     @model_validator(mode="after")
@@ -310,10 +355,17 @@ class AppConfig(BaseModel):
         return out
 
     def resolve_api_key(self) -> str | None:
-        """The key requests must carry: `api_key`, else `api_key_file`'s contents, read where the
-        ingress runs (the file is on the serving nodes, not necessarily where this was built)."""
-        if self.api_key or not self.api_key_file:
+        """The key requests must carry: `api_key`, else `api_key_file`'s contents, else the
+        variable `api_key_env`, read where the ingress runs (the file is on the serving nodes, not
+        necessarily where this was built). A named file or variable that holds nothing raises:
+        it never means "no key"."""
+        if self.api_key or not (self.api_key_file or self.api_key_env):
             return self.api_key
+        if not self.api_key_file:
+            key = os.environ.get(self.api_key_env, "").strip()
+            if not key:
+                raise PermissionError(f"api_key_env: ${self.api_key_env} is not set where the router runs")
+            return key
         path = os.path.expanduser(self.api_key_file)
         try:
             with open(path) as f:

@@ -128,6 +128,10 @@ class RayExecutor(Executor):
         refs = [w.ping.options(concurrency_group="control").remote() for w in self.workers]
         try:
             ray.get(refs, timeout=10)
+        except ray.exceptions.GetTimeoutError:
+            # Slow, not gone: unhealthy for now (Serve replaces the replica if it stays so); a
+            # group torn down on one late answer lost every request in it.
+            raise EngineDeadError("a tensor-parallel rank did not answer its health ping within 10 s") from None
         except Exception as e:
             self._fail(e)
 

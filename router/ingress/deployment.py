@@ -30,7 +30,8 @@ from router.config import AppConfig
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.model_pools import ModelPools, PoolClient, SidePool
 from router.ingress.openapi import openapi_with_bodies
-from router.ingress.public_bind import check_public_bind, serve_http_host
+from router.ingress.public_bind import check_public_bind, is_loopback, serve_http_host
+from router.ingress.shared_result import SharedResult
 from router.metrics import render_pools
 from router.replica_choice.registry import known_replicas
 
@@ -38,6 +39,35 @@ log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
 install_handlers(app)
 app.openapi = openapi_with_bodies(app)
+
+
+class WriteDeadlineResponse(StreamingResponse):
+    """A stream whose every write must be taken by the client within `write_timeout_s`: a client
+    that stops reading is cut off (its request aborted, its KV blocks freed) instead of holding
+    its slot until the request deadline."""
+
+    def __init__(self, content, write_timeout_s: float, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self.write_timeout_s = write_timeout_s
+
+    async def stream_response(self, send) -> None:
+        async def send_in_time(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except TimeoutError:
+                raise OSError(f"the client read nothing for {self.write_timeout_s:g} s") from None
+
+        try:
+            await super().stream_response(send_in_time)
+        finally:
+            await self.body_iterator.aclose()  # ends the request's generator: aborts it now
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8000" -> "::1")."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _sse(obj) -> str:
@@ -58,7 +88,12 @@ class Ingress:
         app's prefill pool (requests go to the decode pool, `engines`; /health and /metrics
         cover both)."""
         self.settings = cfg = AppConfig(**config)
-        self.api_key = check_public_bind(cfg, serve_http_host())
+        # Resolved here, in the replica: `config` (Ray's metadata) names the key file or variable.
+        host = serve_http_host()
+        self.api_key = check_public_bind(cfg, host)
+        # Served on loopback without a key: only requests that name this machine in Host, so a
+        # web page whose name resolves to 127.0.0.1 (DNS rebinding) cannot drive it.
+        self.check_host = self.api_key is None and host is not None and is_loopback(host)
         if not isinstance(engines, dict):
             engines = {cfg.pool_configs()[0].model_name: engines}
         # Text lives here: each pool's tokenizer and model limits, never its weights.
@@ -66,6 +101,9 @@ class Ingress:
         default = self.pools.default
         self.engine, self.client, self.openai, self.tgi = default.handle, default.client, default.openai, default.tgi
         self.prefill = SidePool("prefill", prefill, cfg.prefill_replicas) if prefill is not None else None
+        # The HTTP routes anyone may call share one fan-out a second (the handle methods do not).
+        self._shared_health = SharedResult(self.health)
+        self._shared_metrics = SharedResult(self.metrics)
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001
@@ -76,6 +114,8 @@ class Ingress:
     def _auth(self, request: Request) -> None:
         key = self.api_key
         if not key:
+            if self.check_host and not is_loopback(_host_name(request.headers.get("host", ""))):
+                raise APIError(403, "the Host header must name this machine (localhost or a loopback address)")
             return
         got = request.headers.get("authorization", "")
         # Bytes, not str: compare_digest refuses non-ASCII str (a header may carry any byte).
@@ -85,7 +125,11 @@ class Ingress:
 
     async def _body(self, request: Request) -> dict:
         self._auth(request)
-        body = await read_json(request, self.settings.max_request_body_bytes)
+        try:  # a client trickling its body holds a slot: it gets body_timeout_s
+            async with asyncio.timeout(self.settings.body_timeout_s):
+                body = await read_json(request, self.settings.max_request_body_bytes)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.settings.body_timeout_s:g} s") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         return body
@@ -122,8 +166,9 @@ class Ingress:
             first = await result.__anext__()  # errors before the first chunk keep their HTTP status
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))
-        return StreamingResponse(
+        return WriteDeadlineResponse(
             self._sse_stream(first, result, tgi),
+            self.settings.write_timeout_s,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -255,12 +300,13 @@ class Ingress:
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:
-        h = await self.health()
+        h = await self._shared_health.get()
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def http_metrics(self) -> Response:
-        return Response(await self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        page = await self._shared_metrics.get()
+        return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     # --- Python handle API ------------------------------------------------------------------
 

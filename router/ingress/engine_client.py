@@ -43,6 +43,7 @@ from router.ingress.failover import (
     note_replica_failure,
 )
 from router.ingress.kv_subscriber import KVSubscriber
+from router.ingress.lease_renewal import LeaseRenewal
 from router.ingress.output_reader import OutputReader
 from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
 from router.replica_choice import placement
@@ -54,6 +55,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+
+
+# Outputs (engine steps) one request may have waiting for its reader before it is cut off.
+MAX_PENDING_OUTPUTS = 512
+
+
+class SlowReaderError(TimeoutError):
+    """The request's reader fell too far behind its outputs; the request was aborted."""
 
 
 def new_request_id(prefix: str) -> str:
@@ -73,6 +82,7 @@ class EngineClient:
         nonstream_batch_interval_s: float = 0.0,
         max_migrations: int = 3,
         drain_timeout_s: float = 30.0,
+        router_lease_s: float = 30.0,
     ) -> None:
         self.handle = handle
         self.nonstream_batch_interval_s = nonstream_batch_interval_s
@@ -90,7 +100,9 @@ class EngineClient:
         self.max_migrations = max_migrations
         self.migrations = self.migration_failures = 0  # /metrics
         self._left: dict[str, set[str]] = {}  # request id -> replicas it moved off (late outputs dropped)
+        self._cut: set[str] = set()  # requests whose reader fell behind (their outputs dropped)
         self.drains = DrainWatch(handle, self.channels, drain_timeout_s, self._drained)
+        self.leases = LeaseRenewal(handle, self.channels, router_lease_s)
 
     def stats(self) -> dict:
         """The router queue's figures plus failover counters (/metrics)."""
@@ -99,6 +111,13 @@ class EngineClient:
             "migrations": self.migrations,
             "migration_failures": self.migration_failures,
         }
+
+    async def text_work(self, num_requests: int, fn, *args):
+        """`fn(*args)` (tokenizing, a chat template) off the event loop, once the router queue has
+        room for `num_requests` more: a full queue answers 429 before any text work, and a long
+        prompt's tokenizing does not stall every stream of this router."""
+        self.queue.check_room(num_requests)
+        return await asyncio.to_thread(fn, *args)
 
     def token_text(self, token_id: int) -> str:
         """One token's text (logprobs, TGI token lists)."""
@@ -120,6 +139,7 @@ class EngineClient:
         self.queue.admit(request_id)  # OverloadedError (429) before any work
         self.kv_feed.start()
         self.drains.start()
+        self.leases.start()
         submit = replica = None
         added = done = False
         child_ids = child_request_ids(request_id, params.n)
@@ -169,6 +189,7 @@ class EngineClient:
         finally:
             self.queue.done(request_id)
             self._waiting.pop(request_id, None)
+            self._cut.discard(request_id)
             self._left.pop(request_id, None)
             if submit is not None:
                 placement.ended(request_id)
@@ -240,7 +261,17 @@ class EngineClient:
 
     def _deliver(self, replica: str, request_id: str, item) -> None:
         q = self._waiting.get(request_id)
+        if request_id in self._cut:
+            return  # its reader fell behind: it ends with the error already queued
         failed = isinstance(item, BaseException)
+        if not failed and q is not None and q.qsize() >= MAX_PENDING_OUTPUTS:
+            # The caller stopped reading (a client that does not read its stream): end the
+            # request now, so its KV blocks and batch slot go back, not when its write times out.
+            self._cut.add(request_id)
+            q.put_nowait(SlowReaderError(f"the client fell {MAX_PENDING_OUTPUTS} engine steps behind the stream"))
+            self._spawn(self._control("abort", AbortRequest(request_id), replica))
+            self.channels.detach(replica, request_id)
+            return
         if failed and q is not None and moves_request(item):
             # From now on nothing of this replica counts for the request: it goes on elsewhere
             # from what the caller has been given up to this error.

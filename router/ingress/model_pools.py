@@ -96,6 +96,7 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
         cfg.nonstream_batch_interval_s,
         cfg.max_migrations,
         cfg.drain_timeout_s,
+        cfg.router_lease_s,
     )
     info = {
         "model_id": cfg.model_name,
@@ -119,7 +120,7 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
         name=cfg.model_name,
         handle=handle,
         client=client,
-        openai=OpenAIServing(client, cfg.model_name, mc.max_model_len, cfg.tool_call_parser),
+        openai=OpenAIServing(client, cfg.model_name, mc.max_model_len, cfg.tool_call_parser, cfg.report_cached_tokens),
         tgi=TGIServing(client, cfg.model_name, info),
         max_model_len=mc.max_model_len,
         expected_replicas=cfg.num_replicas,
@@ -134,6 +135,8 @@ def is_overloaded(exc: BaseException) -> bool:
         if isinstance(exc, OverloadedError):
             return True
         seen.add(id(exc))
+        if isinstance(exc, BaseExceptionGroup):
+            return any(is_overloaded(e) for e in exc.exceptions)
         exc = exc.cause if isinstance(exc, RayTaskError) else None
     return False
 

@@ -29,16 +29,19 @@ from router.ingress.openai_tools import ToolMode, assistant_message, request_mes
 from router.ingress.streams import collect, merge
 from router.ingress.tool_parsers import ContentStream
 
+MAX_PROMPTS = 64  # prompts in one completions request (each is a request to the engine)
 
-def _usage(prompt_tokens: int, outs: list[RequestOutput]) -> dict:
+
+def _usage(prompt_tokens: int, outs: list[RequestOutput], cached: bool = True) -> dict:
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {
+    usage = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
-        # Prefix-cache hits, as OpenAI reports them (the engine's count at first schedule).
-        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)},
     }
+    if cached:  # prefix-cache hits, as OpenAI reports them (the engine's count at first schedule)
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outs)}
+    return usage
 
 
 def _check_errors(out: RequestOutput) -> None:
@@ -48,10 +51,16 @@ def _check_errors(out: RequestOutput) -> None:
 
 class OpenAIServing:
     def __init__(
-        self, client: EngineClient, model_name: str, max_model_len: int, tool_call_parser: str | None = None
+        self,
+        client: EngineClient,
+        model_name: str,
+        max_model_len: int,
+        tool_call_parser: str | None = None,
+        report_cached_tokens: bool = True,
     ) -> None:
         self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py); None: refused
+        self.report_cached_tokens = report_cached_tokens
 
     def models(self) -> dict:
         card = ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
@@ -75,7 +84,7 @@ class OpenAIServing:
             raise InvalidRequestError("best_of must equal n (or be left out)", param="best_of")
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
-        prompts = self._prompts(req.prompt)
+        prompts = await self._prompts(req.prompt)
         rid, arrival = new_request_id("cmpl"), time.time()
         streams = [
             self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
@@ -113,14 +122,17 @@ class OpenAIServing:
             "created": int(arrival),
             "model": name,
             "choices": choices,
-            "usage": _usage(sum(len(ids) for _, ids in prompts), outs),
+            "usage": _usage(sum(len(ids) for _, ids in prompts), outs, self.report_cached_tokens),
         }
 
-    def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, list) and not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         items = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
-        return [self.client.inputs.tokenize(p) for p in items]
+        if len(items) > MAX_PROMPTS:
+            raise InvalidRequestError(f"prompt accepts at most {MAX_PROMPTS} prompts", param="prompt")
+        tokenize = self.client.inputs.tokenize
+        return await self.client.text_work(len(items), lambda: [tokenize(p) for p in items])
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -149,7 +161,7 @@ class OpenAIServing:
                         "choices": choices,
                     }
         if req.stream_options and req.stream_options.include_usage:
-            usage = _usage(sum(len(ids) for _, ids in prompts), list(finals.values()))
+            usage = _usage(sum(len(ids) for _, ids in prompts), list(finals.values()), self.report_cached_tokens)
             yield {
                 "id": rid,
                 "object": "text_completion",
@@ -217,9 +229,8 @@ class OpenAIServing:
             kwargs["tools"] = tools.template_tools()
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
-        text, ids = self.client.inputs.tokenize_chat(
-            messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs
-        )
+        kwargs["add_generation_prompt"] = req.add_generation_prompt and not req.continue_final_message
+        text, ids = await self.client.text_work(1, lambda: self.client.inputs.tokenize_chat(messages, **kwargs))
         rid, arrival = new_request_id("chatcmpl"), time.time()
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
@@ -244,7 +255,7 @@ class OpenAIServing:
             "created": int(arrival),
             "model": name,
             "choices": choices,
-            "usage": _usage(len(ids), [out]),
+            "usage": _usage(len(ids), [out], self.report_cached_tokens),
         }
 
     async def _stream_chat(
@@ -309,7 +320,7 @@ class OpenAIServing:
             if choices:
                 yield chunk(choices)
         if req.stream_options and req.stream_options.include_usage and last is not None:
-            yield {**chunk([]), "usage": _usage(num_prompt, [last])}
+            yield {**chunk([]), "usage": _usage(num_prompt, [last], self.report_cached_tokens)}
 
 
 async def _closing(stream: AsyncIterator) -> AsyncIterator:

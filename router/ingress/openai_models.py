@@ -75,6 +75,13 @@ class _SamplingFields(_Request):
     )
     user: str | None = None
     priority: int = Field(0, description="Extension: lower runs first under the priority policy.")
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="Extension (vLLM's): only requests with the same salt share prefix-cache blocks, so "
+        "one tenant cannot learn from cached_tokens what another's prompts were.",
+    )
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Extension (vLLM's): the output must match exactly one of these."

@@ -78,4 +78,5 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         logit_bias=_logit_bias(req.logit_bias),
         structured_output=_structured(req),
+        cache_salt=req.cache_salt,
     )

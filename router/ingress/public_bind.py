@@ -22,13 +22,14 @@ def is_loopback(host: str) -> bool:
 
 
 def check_public_bind(cfg: AppConfig, host: str | None) -> str | None:
-    """Raise when `host` (the HTTP bind address; None: unknown) is public and nothing
-    authenticates requests; else return the API key (None: none)."""
+    """Raise when `host` (the HTTP bind address; None: unknown, taken as public: the check fails
+    closed) is public and nothing authenticates requests; else return the API key (None: none)."""
     key = cfg.resolve_api_key()
-    if host is None or key or cfg.allow_unauthenticated or is_loopback(host):
+    if key or cfg.allow_unauthenticated or (host is not None and is_loopback(host)):
         return key
+    where = "an unknown address" if host is None else f"{host!r} (not a loopback address)"
     raise PermissionError(
-        f"refusing to serve without an API key on {host!r} (not a loopback address): set api_key, "
+        f"refusing to serve without an API key on {where}: set api_key, "
         "api_key_file or $ORBITAL_API_KEY, or allow_unauthenticated (--allow-unauthenticated) "
         "if something in front of it authenticates requests"
     )
@@ -42,5 +43,5 @@ def serve_http_host() -> str | None:
 
         return ray.get(_get_global_client()._controller.get_http_config.remote(), timeout=30).host
     except Exception as e:  # noqa: BLE001 - a private Serve API: never block a start on it
-        log.warning("could not read Serve's HTTP bind address (%s); public-bind check skipped", e)
+        log.warning("could not read Serve's HTTP bind address (%s); taken as public", e)
         return None

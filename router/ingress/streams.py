@@ -22,12 +22,23 @@ async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """Final outputs of all streams, in order; the first failure cancels the others."""
+    """Final outputs of all streams, in order; the first failure cancels the others and is
+    raised as it is (a TaskGroup's ExceptionGroup would hide its status: a 429 or 400 on one
+    prompt of a multi-prompt completion must answer as that, not 500)."""
     if len(streams) == 1:
         return [await last(streams[0])]
-    async with asyncio.TaskGroup() as tg:
-        tasks = [tg.create_task(last(s)) for s in streams]
-    return [t.result() for t in tasks]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(last(s)) for s in streams]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in tasks if t in done and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+        return [t.result() for t in tasks]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -63,11 +63,11 @@ class TGIServing:
     def info(self) -> dict:
         return dict(self.info_body)
 
-    def _start(self, body: dict, stream: bool):
+    async def _start(self, body: dict, stream: bool):
         req = parse_body(GenerateRequest, body)
         p = req.parameters
         params = sampling_params(p, want_logprobs=stream or p.details)
-        text, ids = self.client.inputs.tokenize(req.inputs)
+        text, ids = await self.client.text_work(1, self.client.inputs.tokenize, req.inputs)
         if "max_new_tokens" not in p.model_fields_set and params.max_tokens is not None:
             # TGI's default of 100 is not something the client asked for: never refuse a request
             # over it, take what the context has left.
@@ -81,7 +81,7 @@ class TGIServing:
         return Token(id=tid, text=text, logprob=logprob, special=tid in self.special)
 
     async def generate(self, body: dict) -> dict:
-        req, ids, stream = self._start(body, stream=False)
+        req, ids, stream = await self._start(body, stream=False)
         (out,) = await collect([stream])
         if out.error is not None:
             raise APIError(error_status(out), out.error)
@@ -111,7 +111,7 @@ class TGIServing:
         return resp
 
     async def generate_stream(self, body: dict) -> AsyncIterator[dict]:
-        req, ids, stream = self._start(body, stream=True)
+        req, ids, stream = await self._start(body, stream=True)
         return self._events(req, ids, stream)
 
     async def _events(self, req: GenerateRequest, ids: list[int], stream) -> AsyncIterator[dict]:

@@ -94,10 +94,16 @@ class EngineReplica:
         prefill: DeploymentHandle | None = None,
         kv_transfer_failure: str = "recompute",
         kv_transfer_timeout_s: float = 60.0,
+        router_lease_s: float = 30.0,
     ) -> None:
-        """`prefill` (decode replicas of a disaggregated app): the prefill pool's handle."""
+        """`prefill` (decode replicas of a disaggregated app): the prefill pool's handle.
+        `router_lease_s`: a router not heard from that long (no request, no lease renewal) while
+        it has requests here is taken for dead: its requests are aborted, its outbox dropped."""
         self.engine = AsyncEngine(EngineArgs(**engine_args), executor_factory=make_executor)
         self.stuck_step_timeout_s = stuck_step_timeout_s
+        self.router_lease_s = router_lease_s
+        self._lease_task: asyncio.Task | None = None
+        self.lease_expiries = 0  # routers taken for dead (stats)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - constructed outside Serve (unit use)
@@ -126,6 +132,8 @@ class EngineReplica:
         if not self.engine.is_alive():
             raise EngineDeadError("the engine loop is not running")
         self.kv_feed.loop = asyncio.get_running_loop()
+        if self._lease_task is None:
+            self._lease_task = self.kv_feed.loop.create_task(self._expire_leases())
         if self.remote_prefills is not None:
             self.remote_prefills.loop = self.kv_feed.loop
         rid = msg.request_id
@@ -135,6 +143,7 @@ class EngineReplica:
         box = self._outboxes.get(msg.ingress_id)
         if box is None:
             box = self._outboxes[msg.ingress_id] = Outbox(self._step_handed_over)
+        box.last_seen = time.monotonic()
         children = child_request_ids(rid, msg.params.n)
         if msg.resume is not None:  # moved here: only its unfinished sequences go on
             children = [c for c in children if c in msg.resume]
@@ -163,6 +172,36 @@ class EngineReplica:
         finally:
             if box.idle and self._outboxes.get(ingress_id) is box:
                 del self._outboxes[ingress_id]
+
+    async def renew_lease(self, ingress_id: str, replica_id: str | None = None) -> None:
+        """The router `ingress_id` is alive (router/ingress/lease_renewal.py)."""
+        box = self._outboxes.get(ingress_id)
+        if box is not None:
+            box.last_seen = time.monotonic()
+
+    async def _expire_leases(self) -> None:
+        """Every quarter lease: abort the requests of routers gone for a lease (their KV blocks
+        return at the next step) and drop their outboxes."""
+        while True:
+            await asyncio.sleep(self.router_lease_s / 4)
+            now = time.monotonic()
+            for ingress_id, box in list(self._outboxes.items()):
+                if not box.lease_expired(self.router_lease_s, now):
+                    continue
+                log.warning(
+                    "router %s has not been heard from for %.0f s: aborting its %d request(s)",
+                    ingress_id,
+                    now - box.last_seen,
+                    len(box.active),
+                )
+                self.lease_expiries += 1
+                del self._outboxes[ingress_id]
+                for rid in list(box.active):
+                    job = self._jobs.get(rid)
+                    if job is not None and job.task is not None:
+                        job.task.cancel()  # its cleanup aborts it in the engine
+                    else:
+                        self.engine.abort(rid)
 
     # --- KV events ------------------------------------------------------------------------
 
@@ -281,6 +320,7 @@ class EngineReplica:
         s["pid"] = os.getpid()
         s["node_id"] = self.node_id
         s["channel_messages"] = self.channel_messages
+        s["router_lease_expiries"] = self.lease_expiries
         s["finished"] = dict(self.finished)
         s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}
         s["queue"] = self.queue.stats()

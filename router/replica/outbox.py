@@ -17,6 +17,7 @@ token over HTTP, 36 -> 29 ms; a cached 900-token prompt 74 -> 59 ms) at concurre
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, Callable
 
 from engine.core.kv_events import KVEventBatch
@@ -33,11 +34,13 @@ LINGER_S = 1.0
 class Outbox:
     """Outputs of one router's requests on this replica, waiting for that router's channel."""
 
-    __slots__ = ("items", "active", "linger_s", "_event", "_handed_over")
+    __slots__ = ("items", "active", "linger_s", "_event", "_handed_over", "last_seen")
 
     def __init__(self, handed_over: Callable[[], None] | None = None, linger_s: float = LINGER_S) -> None:
         self.items = StepOutputs()
         self.active: set[str] = set()  # request ids still running here for this router
+        # The router's lease: when it last showed it is alive (a request, a renewal; monotonic).
+        self.last_seen = time.monotonic()
         self.linger_s = linger_s
         self._event = asyncio.Event()
         # Returns once the engine thread has handed the current step's outputs to the loop.
@@ -63,6 +66,11 @@ class Outbox:
     def request_done(self, request_id: str) -> None:
         self.active.discard(request_id)
         self._event.set()  # the channel may end now
+
+    def lease_expired(self, lease_s: float, now: float) -> bool:
+        """Requests here, and nothing heard from their router for `lease_s`: the router is gone
+        (its process died) and nobody will read or abort them."""
+        return bool(self.active) and now - self.last_seen > lease_s
 
     @property
     def idle(self) -> bool:

@@ -159,7 +159,11 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         self, candidates: list[RunningReplica], msg: Any
     ) -> tuple[list[RunningReplica], list[int], dict[str, int]]:
         no_hits = msg.params.prompt_logprobs is not None  # the engine looks nothing up then
-        hashes = [] if no_hits else prompt_hit_hashes(msg.prompt_token_ids, self.block_size, root=self.hash_root)
+        hashes = (
+            []
+            if no_hits
+            else prompt_hit_hashes(msg.prompt_token_ids, self.block_size, msg.params.cache_salt, root=self.hash_root)
+        )
         index = kv_index_module.kv_index
 
         def cached(r: RunningReplica) -> int:

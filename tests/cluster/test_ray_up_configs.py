@@ -94,10 +94,10 @@ def test_serve_cluster_config_loads():
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_cluster_serves_only_with_a_key(name):
-    """deploy/serve-cluster.yaml binds 0.0.0.0, so it names a key file, and `ray up` copies that
-    file to every node (file_mounts fail when the local file is missing)."""
+    """deploy/serve-cluster.yaml binds 0.0.0.0, so it names a key file; the head makes it and
+    keeps it (0600): no file mount carries it to the workers (tests/router/test_cluster_lockdown.py)."""
     serve_cfg = load("deploy/serve-cluster.yaml")
     args = serve_cfg["applications"][0]["args"]
     assert serve_cfg["http_options"]["host"] == "0.0.0.0"
     assert args.get("api_key_file") and not args.get("allow_unauthenticated")
-    assert args["api_key_file"] in validated(load(name))["file_mounts"]
+    assert args["api_key_file"] not in validated(load(name))["file_mounts"]

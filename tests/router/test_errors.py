@@ -153,6 +153,20 @@ def test_content_type_must_be_json(base_url):
     assert "application/json" in err["message"]
     r = post(base_url, "/generate", content=b'{"inputs": "hi"}', headers={"content-type": "text/plain"})
     assert r.status_code == 415 and r.json()["error_type"] == "validation", r.text
+    r = httpx.post(base_url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}', timeout=60)
+    assert r.status_code == 415, r.text  # no Content-Type at all (a page's beacon): refused too
+
+
+def test_a_foreign_host_name_is_refused_on_loopback(base_url):
+    """The app serves loopback without a key: a request naming another host (a page whose name
+    was rebound to 127.0.0.1) is refused; localhost and loopback addresses are served."""
+    body = {"prompt": "hi", "max_tokens": 1}
+    r = httpx.post(base_url + "/v1/completions", json=body, headers={"Host": "evil.example:8000"}, timeout=60)
+    assert r.status_code == 403 and "Host" in r.json()["error"]["message"], r.text
+    port = base_url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]"):
+        r = httpx.post(base_url + "/v1/completions", json=body, headers={"Host": host}, timeout=60)
+        assert r.status_code == 200, (host, r.text)
 
 
 def test_non_ascii_authorization_is_a_401(serve_cluster):

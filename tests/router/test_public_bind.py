@@ -23,6 +23,8 @@ def test_public_bind_needs_a_key_or_an_explicit_opt_out(tmp_path, monkeypatch):
     with pytest.raises(PermissionError, match="0.0.0.0"):
         check_public_bind(AppConfig(), "0.0.0.0")
     check_public_bind(AppConfig(), "127.0.0.1")
+    with pytest.raises(PermissionError, match="unknown address"):  # fails closed
+        check_public_bind(AppConfig(), None)
     check_public_bind(AppConfig(api_key="k"), "0.0.0.0")
     check_public_bind(AppConfig(allow_unauthenticated=True), "0.0.0.0")
     key = tmp_path / "key"
