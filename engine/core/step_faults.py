@@ -14,6 +14,7 @@ as before, and its replica is replaced.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class StepFaults:
             return scheduled_ids[0], []
         return None, list(new_ids or scheduled_ids)
 
-    def step_ok(self, scheduled_ids) -> None:
+    def step_ok(self, scheduled_ids: Iterable[str]) -> None:
         self.culprits_in_a_row = 0
         self.quarantined.difference_update(scheduled_ids)
 

@@ -19,12 +19,13 @@ import hmac
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.types import Message, Send
 
 from router.config import AppConfig
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
@@ -46,12 +47,12 @@ class WriteDeadlineResponse(StreamingResponse):
     that stops reading is cut off (its request aborted, its KV blocks freed) instead of holding
     its slot until the request deadline."""
 
-    def __init__(self, content, write_timeout_s: float, **kwargs) -> None:
+    def __init__(self, content: AsyncIterator[str], write_timeout_s: float, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.write_timeout_s = write_timeout_s
 
-    async def stream_response(self, send) -> None:
-        async def send_in_time(message) -> None:
+    async def stream_response(self, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
             try:
                 await asyncio.wait_for(send(message), self.write_timeout_s)
             except TimeoutError:
@@ -101,9 +102,10 @@ class Ingress:
         default = self.pools.default
         self.engine, self.client, self.openai, self.tgi = default.handle, default.client, default.openai, default.tgi
         self.prefill = SidePool("prefill", prefill, cfg.prefill_replicas) if prefill is not None else None
-        # The HTTP routes anyone may call share one fan-out a second (the handle methods do not).
+        # /health (anyone may call it) shares one fan-out a second; /metrics (behind the key)
+        # shares the one in flight. The handle methods compute their own.
         self._shared_health = SharedResult(self.health)
-        self._shared_metrics = SharedResult(self.metrics)
+        self._shared_metrics = SharedResult(self.metrics, ttl_s=0.0)
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001
@@ -304,7 +306,13 @@ class Ingress:
         return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
 
     @app.get("/metrics")
-    async def http_metrics(self) -> Response:
+    async def http_metrics(self, request: Request) -> Response:
+        """Behind the API key when there is one (Prometheus sends it as a bearer token): the
+        page fans out one stats call per engine replica."""
+        try:
+            self._auth(request)
+        except APIError as e:
+            return error_response(e, api_path(request))
         page = await self._shared_metrics.get()
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
 from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # Outputs (engine steps) one request may have waiting for its reader before it is cut off.
@@ -112,7 +113,7 @@ class EngineClient:
             "migration_failures": self.migration_failures,
         }
 
-    async def text_work(self, num_requests: int, fn, *args):
+    async def text_work(self, num_requests: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` (tokenizing, a chat template) off the event loop, once the router queue has
         room for `num_requests` more: a full queue answers 429 before any text work, and a long
         prompt's tokenizing does not stall every stream of this router."""
