@@ -99,7 +99,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         rid = request_id or self.engine.next_request_id()
-        text, ids = self.engine.inputs.tokenize(prompt)
+        text, ids = self.engine.inputs.tokenize_for(prompt, params)
         reqs = await self._make_requests(rid, ids, params, priority)
         children = [r.request_id for r in reqs]
         stream = self._open(rid, children)

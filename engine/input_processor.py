@@ -141,6 +141,18 @@ class InputProcessor:
                 param="prompt",
             )
 
+    @staticmethod
+    def truncate(prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the request runs it: its last `truncate_prompt_tokens` tokens."""
+        n = params.truncate_prompt_tokens
+        return prompt_ids[-n:] if n is not None and len(prompt_ids) > n else prompt_ids
+
+    def tokenize_for(self, prompt: PromptInput, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """`tokenize`, then `truncate`; a cut prompt's text is dropped (it no longer matches)."""
+        text, ids = self.tokenize(prompt)
+        kept = self.truncate(ids, params)
+        return (text if len(kept) == len(ids) else None), kept
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The checks of a request that need the model: PromptTooLongError unless prompt + output
         fit the context, InvalidRequestError for a logit_bias or stop token outside the
@@ -185,6 +197,7 @@ class InputProcessor:
         generated there. Only those children are made, each with its outputs restored (not part of
         the prompt), so they continue like a preempted request that recomputes: penalties,
         min/max tokens, stop checks and seeded draws (keyed by output position) go on unchanged."""
+        prompt_ids = self.truncate(prompt_ids, params)
         max_tokens = self.check_request(prompt_ids, params)
         if params.top_k >= self.mc.vocab_size:  # keeps every token: the same as off, and fits int64
             params = dataclasses.replace(params, top_k=0)

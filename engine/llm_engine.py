@@ -98,7 +98,7 @@ class LLMEngine:
         request_id = request_id or self.next_request_id()
         if request_id in self._children:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        text, ids = self.inputs.tokenize(prompt)
+        text, ids = self.inputs.tokenize_for(prompt, params)
         reqs = self.inputs.make_requests(request_id, ids, params, priority)
         self.add_prepared(request_id, prompt_text or text, ids, params, reqs)
         return request_id

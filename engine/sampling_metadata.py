@@ -25,6 +25,7 @@ class SamplingMetadata:
     temperature: torch.Tensor | None  # [B] float32, greedy rows set to 1.0 (never divided by 0)
     top_k: torch.Tensor | None  # [B] int64, 0 = disabled
     top_p: torch.Tensor | None  # [B] float32
+    typical_p: torch.Tensor | None  # [B] float32
     min_p: torch.Tensor | None  # [B] float32
     # Per-row generator; None rows draw from the shared one (torch's default RNG).
     generators: list[torch.Generator | None] = field(default_factory=list)
@@ -38,6 +39,8 @@ class SamplingMetadata:
     min_tokens_block: tuple[torch.Tensor, torch.Tensor] | None = None
     # logit_bias: (rows, token ids, biases) added to the logits before anything else.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Watermark: (rows, previous tokens, keys, gammas, deltas), each [R] (engine/watermark.py).
+    watermark: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Structured outputs: (rows, [R, ceil(V/32)] int32 bitmask of the tokens each may take).
     allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     # Logprobs: per-row k (None = not requested) and the batch maximum (None = nobody asked).
@@ -57,6 +60,7 @@ class SamplingMetadata:
             and self.min_tokens_block is None
             and self.logit_bias is None
             and self.allowed_tokens is None
+            and self.watermark is None
         )
 
     @classmethod
@@ -83,7 +87,7 @@ class SamplingMetadata:
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        temperature = top_k = top_p = min_p = greedy_mask = None
+        temperature = top_k = top_p = typical_p = min_p = greedy_mask = None
         if not all_greedy:
             temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
             if not all_random:
@@ -95,6 +99,8 @@ class SamplingMetadata:
                 )
             if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
                 top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy)])
+            if any(p.typical_p < 1.0 and not g for p, g in zip(params, greedy)):
+                typical_p = f32([1.0 if g else p.typical_p for p, g in zip(params, greedy)])
             if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
                 min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy)])
 
@@ -106,6 +112,7 @@ class SamplingMetadata:
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            typical_p=typical_p,
             min_p=min_p,
             generators=generators,
         )
@@ -142,6 +149,17 @@ class SamplingMetadata:
                 torch.tensor(r, dtype=torch.int64, device=device),
                 torch.tensor(t, dtype=torch.int64, device=device),
                 f32(list(v)),
+            )
+        marked = [i for i, p in enumerate(params) if p.watermark is not None]
+        if marked:  # the previous token: the last output, or the prompt's last before any
+            prev = [(output_token_ids[i] or prompt_token_ids[i])[-1] for i in marked]
+            wms = [params[i].watermark for i in marked]
+            md.watermark = (
+                torch.tensor(marked, dtype=torch.int64, device=device),
+                torch.tensor(prev, dtype=torch.int64, device=device),
+                torch.tensor([w.key for w in wms], dtype=torch.int64, device=device),
+                torch.tensor([w.gamma for w in wms], dtype=torch.float64, device=device),
+                f32([w.delta for w in wms]),
             )
         masked = [i for i, m in enumerate(bitmasks or []) if m is not None]
         if masked:

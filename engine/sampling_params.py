@@ -7,13 +7,22 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
+from engine.watermark import Watermark
 
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # per stop string: bounds the text side's hold-back check (stop_checker.py)
 MAX_STOP_TOKEN_IDS = 256  # the scheduler checks every sampled token against them
 MAX_N = 128
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "typical_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 @dataclass
@@ -23,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
+    typical_p: float = 1.0  # locally typical sampling (transformers' TypicalLogitsWarper); 1: off
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -41,6 +51,10 @@ class SamplingParams:
     # Prefix-cache blocks are shared only among requests with the same salt (vLLM's cache_salt):
     # a tenant cannot probe another's prompts through cached_tokens.
     cache_salt: str | None = None
+    # Keep only the last N prompt tokens (vLLM's truncate_prompt_tokens, TGI's truncate).
+    truncate_prompt_tokens: int | None = None
+    # Green-list watermark (engine/watermark.py): the deployment's key, gamma and delta.
+    watermark: Watermark | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +81,8 @@ class SamplingParams:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0 < self.typical_p <= 1:
+            raise bad("typical_p", f"must be in (0, 1], got {self.typical_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
@@ -106,6 +122,12 @@ class SamplingParams:
                 raise bad("logit_bias", f"values must be numbers in [-100, 100], got {b!r}")
         if self.logit_bias is not None and len(self.logit_bias) > 1024:
             raise bad("logit_bias", "accepts at most 1024 tokens")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int) or self.truncate_prompt_tokens < 1
+        ):
+            raise bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.watermark is not None and not isinstance(self.watermark, Watermark):
+            raise bad("watermark", "must be an engine.watermark.Watermark")
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256
         ):

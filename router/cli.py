@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
     s.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"))
+    s.add_argument(
+        "--scheduling-policy", choices=["fcfs", "priority"], default=_d("scheduling_policy"), help="request order"
+    )
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument(
         "--speculative",
@@ -267,6 +270,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         gpu_memory_utilization=a.gpu_memory_utilization,
         max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
+        scheduling_policy=a.scheduling_policy,
         max_num_batched_tokens=a.max_num_batched_tokens,
         enable_prefix_caching=not a.no_prefix_caching,
         speculative=a.speculative,

@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.engine_args import EngineArgs as _E
+from engine.watermark import Watermark
 
 ENV_KEY = "ORBITAL_API_KEY"  # the bearer key's default environment variable
 
@@ -87,6 +88,11 @@ class AppConfig(BaseModel):
     max_model_len: int | None = Field(_E.max_model_len, description="Context length (default: the model's).")
     max_num_seqs: int = Field(_E.max_num_seqs, ge=1, description="Sequences per engine step.")
     max_num_batched_tokens: int = Field(_E.max_num_batched_tokens, ge=1, description="Tokens per engine step.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        _E.scheduling_policy,
+        description="fcfs: arrival order; priority: a request's `priority` (lower first) orders the queue and "
+        "picks whom to preempt.",
+    )
     block_size: int = Field(_E.block_size, ge=1)
     enable_prefix_caching: bool = _E.enable_prefix_caching
     speculative: str | dict | None = Field(
@@ -153,6 +159,14 @@ class AppConfig(BaseModel):
         description="HTTP requests a router replica holds waiting for a slot past its ongoing limit (Serve's "
         "max_queued_requests); past it they are refused at once.",
     )
+    watermark_key_file: str | None = Field(
+        None,
+        description="File holding the watermark key (an integer in [0, 2^32), one line; read by the router, so it "
+        "stays out of Ray's metadata). Requests with watermark true get green-list watermarked outputs and "
+        "/v1/watermark/detect scores texts; without it both are refused.",
+    )
+    watermark_gamma: float = Field(0.5, gt=0, lt=1, description="Green share of the vocabulary (TGI's default).")
+    watermark_delta: float = Field(2.0, ge=0, description="Logit bonus of green tokens (TGI's default).")
     report_cached_tokens: bool = Field(
         True,
         description="Responses report usage.prompt_tokens_details.cached_tokens. Off for mutually untrusted "
@@ -392,6 +406,17 @@ class AppConfig(BaseModel):
             return self.gpus_per_worker
         return 1.0 if self.device.startswith("cuda") else 0.0
 
+    def watermark(self) -> Watermark | None:
+        """The deployment's watermark, its key read from `watermark_key_file` (None: not set)."""
+        if not self.watermark_key_file:
+            return None
+        path = os.path.expanduser(self.watermark_key_file)
+        try:
+            key = int(open(path).read().strip())
+        except (OSError, ValueError) as e:
+            raise PermissionError(f"watermark_key_file: cannot read an integer key from {path}: {e}") from None
+        return Watermark(key, self.watermark_gamma, self.watermark_delta)
+
     def engine_args(self, kv_role: str = "decode") -> dict:
         """EngineArgs fields (a plain dict, so it travels to replicas as-is). `kv_role`: which
         pool of a disaggregated app the engine serves (ignored when colocated)."""
@@ -407,6 +432,7 @@ class AppConfig(BaseModel):
             "speculative_config": self.speculative,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "scheduling_policy": self.scheduling_policy,
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "gpu_memory_utilization": self.gpu_memory_utilization,

@@ -1,7 +1,7 @@
 """Sampler: logits [B, V] -> one token id per row (+ logprobs of the raw distribution).
 
 Order: raw logprobs, logit_bias, the structured-output mask, min_tokens blocking, repetition
-penalty, presence/frequency penalties, temperature, top-k, top-p, min-p, sample. Greedy rows take argmax (ties -> lowest id).
+penalty, presence/frequency penalties, the watermark's green-list bonus, temperature, top-k, top-p, typical-p, min-p, sample. Greedy rows take argmax (ties -> lowest id).
 Random rows use the exponential race argmax(p / q), q ~ Exp(1): a seeded row draws q from its
 own generator only, so its result does not depend on the rest of the batch.
 """
@@ -16,6 +16,7 @@ import torch
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.outputs import TokenLogprob
 from engine.sampling_metadata import SamplingMetadata
+from engine.watermark import green_mask
 
 _NEG_INF = float("-inf")
 
@@ -46,12 +47,14 @@ class Sampler(torch.nn.Module):
             apply_allowed_tokens(logits, md)
             apply_min_tokens(logits, md)
             apply_penalties(logits, md)
+            apply_watermark(logits, md)
             if md.all_greedy:
                 sampled = argmax_rows(logits)
             else:
                 greedy = None if md.all_random else argmax_rows(logits)
                 logits.div_(md.temperature.unsqueeze(1))
                 apply_top_k_top_p(logits, md.top_k, md.top_p)
+                apply_typical_p(logits, md.typical_p)
                 probs = torch.softmax(logits, dim=-1)
                 apply_min_p(probs, md.min_p)
                 sampled = exponential_race(probs, md)
@@ -136,6 +139,15 @@ def _counts(token_ids: torch.Tensor, b: int, v: int) -> torch.Tensor:
     return counts[:, :v]
 
 
+def apply_watermark(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """+delta on each watermarked row's green list (engine/watermark.py)."""
+    if md.watermark is None:
+        return
+    rows, prev, keys, gammas, deltas = md.watermark
+    green = green_mask(prev, keys, gammas, logits.shape[1])
+    logits[rows] += green.to(logits.dtype) * deltas.unsqueeze(1)
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
     """Mask (in place) tokens outside top-k and outside the top-p nucleus, with one sort."""
     if top_k is None and top_p is None:
@@ -152,6 +164,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
         # Keep the smallest prefix reaching top_p; rows with top_p == 1 are left alone (rounding).
         remove |= (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    logits.masked_fill_(remove.scatter(1, order, remove), _NEG_INF)
+
+
+def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor | None) -> None:
+    """Locally typical sampling (Meister et al. 2022, as transformers' TypicalLogitsWarper), per
+    row: keep the tokens whose surprise is closest to the distribution's entropy until they hold
+    `typical_p` of the mass (at least one); rows with typical_p == 1 are left alone."""
+    if typical_p is None:
+        return
+    logp = torch.log_softmax(logits, dim=-1)
+    p = logp.exp()
+    entropy = -(logp * p).nansum(dim=-1, keepdim=True)
+    distance = (-logp - entropy).abs()
+    sorted_dist, order = distance.sort(dim=-1)
+    cumulative = logits.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < typical_p.unsqueeze(1)).sum(dim=1).clamp_(max=logits.shape[1] - 1)
+    remove = sorted_dist > sorted_dist.gather(1, last.unsqueeze(1))
+    remove[:, 0] = False
+    remove &= (typical_p < 1.0).unsqueeze(1)
     logits.masked_fill_(remove.scatter(1, order, remove), _NEG_INF)
 
 

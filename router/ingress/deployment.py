@@ -194,6 +194,11 @@ class Ingress:
     async def http_completions(self, request: Request) -> Response:
         return await self._respond(request, self.pools.completions)
 
+    @app.post("/v1/watermark/detect")
+    async def http_detect_watermark(self, request: Request) -> Response:
+        """A text's watermark z-score and p-value under this deployment's key."""
+        return await self._respond(request, self.pools.detect_watermark)
+
     @app.post("/v1/chat/completions")
     async def http_chat_completions(self, request: Request) -> Response:
         return await self._respond(request, self.pools.chat_completions)

@@ -87,6 +87,7 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
     mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
     tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
     inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
+    watermark = cfg.watermark()  # read here, in the router replica
     client = EngineClient(
         handle,
         tokenizer,
@@ -120,8 +121,10 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
         name=cfg.model_name,
         handle=handle,
         client=client,
-        openai=OpenAIServing(client, cfg.model_name, mc.max_model_len, cfg.tool_call_parser, cfg.report_cached_tokens),
-        tgi=TGIServing(client, cfg.model_name, info),
+        openai=OpenAIServing(
+            client, cfg.model_name, mc.max_model_len, cfg.tool_call_parser, cfg.report_cached_tokens, watermark
+        ),
+        tgi=TGIServing(client, cfg.model_name, info, watermark),
         max_model_len=mc.max_model_len,
         expected_replicas=cfg.num_replicas,
     )
@@ -219,6 +222,11 @@ class ModelPools:
             first = self.by_name[tier[0]]
             cards.append(ModelCard(id=alias, root=first.name, max_model_len=first.max_model_len))
         return ModelList(data=cards).model_dump()
+
+    async def detect_watermark(self, body: dict) -> dict:
+        """/v1/watermark/detect, with the tokenizer of the pool `model` names (default: the first)."""
+        model = body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None
+        return await self.tier(model)[0].openai.detect_watermark({k: v for k, v in body.items() if k != "model"})
 
     async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
         return await self._openai(body, lambda pool, name: pool.openai.completions(body, name))

@@ -15,6 +15,8 @@ from typing import AsyncIterator
 
 from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.watermark import Watermark, detect
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
@@ -23,6 +25,7 @@ from router.ingress.openai_models import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    WatermarkDetectRequest,
 )
 from router.ingress.openai_sampling import sampling_params
 from router.ingress.openai_tools import ToolMode, assistant_message, request_message
@@ -57,10 +60,32 @@ class OpenAIServing:
         max_model_len: int,
         tool_call_parser: str | None = None,
         report_cached_tokens: bool = True,
+        watermark: Watermark | None = None,
     ) -> None:
         self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py); None: refused
         self.report_cached_tokens = report_cached_tokens
+        self.watermark = watermark  # the deployment's (AppConfig.watermark_key_file); None: refused
+
+    def _watermarked(self, req, params: SamplingParams) -> SamplingParams:
+        if not req.watermark:
+            return params
+        if self.watermark is None:
+            raise InvalidRequestError("watermark: this deployment has no watermark key", param="watermark")
+        return dataclasses.replace(params, watermark=self.watermark)
+
+    async def detect_watermark(self, body: dict) -> dict:
+        """/v1/watermark/detect: a text's (or token ids') z-score against the deployment's key."""
+        req = parse_body(WatermarkDetectRequest, body)
+        if self.watermark is None:
+            raise InvalidRequestError("watermark: this deployment has no watermark key", param="watermark")
+        if (req.text is None) == (req.token_ids is None):
+            raise InvalidRequestError("give exactly one of text and token_ids", param="text")
+        ids = self.client.inputs.check_token_ids(req.token_ids) if req.token_ids is not None else None
+        if ids is None:
+            tok = self.client.tokenizer
+            ids = await self.client.text_work(1, lambda: tok(req.text, add_special_tokens=False).input_ids)
+        return {"object": "watermark.detection", **detect(ids, self.watermark).as_dict()}
 
     def models(self) -> dict:
         card = ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.max_model_len)
@@ -83,8 +108,8 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of must equal n (or be left out)", param="best_of")
         prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-        params = sampling_params(req, req.max_tokens, req.logprobs, prompt_lp)
-        prompts = await self._prompts(req.prompt)
+        params = self._watermarked(req, sampling_params(req, req.max_tokens, req.logprobs, prompt_lp))
+        prompts = await self._prompts(req.prompt, params)
         rid, arrival = new_request_id("cmpl"), time.time()
         streams = [
             self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
@@ -125,14 +150,14 @@ class OpenAIServing:
             "usage": _usage(sum(len(ids) for _, ids in prompts), outs, self.report_cached_tokens),
         }
 
-    async def _prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, prompt, params) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompt, list) and not prompt:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         items = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
         if len(items) > MAX_PROMPTS:
             raise InvalidRequestError(f"prompt accepts at most {MAX_PROMPTS} prompts", param="prompt")
-        tokenize = self.client.inputs.tokenize
-        return await self.client.text_work(len(items), lambda: [tokenize(p) for p in items])
+        tokenize = self.client.inputs.tokenize_for
+        return await self.client.text_work(len(items), lambda: [tokenize(p, params) for p in items])
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -144,6 +169,8 @@ class OpenAIServing:
     ) -> AsyncIterator[dict]:
         created = int(time.time())
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}  # each prompt's output so far (continuous usage)
+        num_prompt = sum(len(ids) for _, ids in prompts)
         offsets: dict[int, int] = {}  # choice index -> characters sent (logprobs text_offset)
         done: set[int] = set()
         async with aclosing(merge(streams)) as merged:
@@ -151,15 +178,14 @@ class OpenAIServing:
                 _check_errors(out)
                 if out.finished:
                     finals[i] = out
+                latest[i] = out
                 choices = self._completion_choices(req, out, i * n, offsets, done)
                 if choices:
-                    yield {
-                        "id": rid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": name,
-                        "choices": choices,
-                    }
+                    body = {"id": rid, "object": "text_completion", "created": created, "model": name}
+                    body["choices"] = choices
+                    if req.stream_options and req.stream_options.continuous_usage_stats:
+                        body["usage"] = _usage(num_prompt, list(latest.values()), self.report_cached_tokens)
+                    yield body
         if req.stream_options and req.stream_options.include_usage:
             usage = _usage(sum(len(ids) for _, ids in prompts), list(finals.values()), self.report_cached_tokens)
             yield {
@@ -218,6 +244,7 @@ class OpenAIServing:
             raise InvalidRequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, None)
+        params = self._watermarked(req, params)
         held_calls = tools.constraint()  # a named function or "required"; "auto" may take a grammar too
         if held_calls is not None:
             if params.structured_output is not None:
@@ -231,6 +258,8 @@ class OpenAIServing:
             kwargs["continue_final_message"] = True
         kwargs["add_generation_prompt"] = req.add_generation_prompt and not req.continue_final_message
         text, ids = await self.client.text_work(1, lambda: self.client.inputs.tokenize_chat(messages, **kwargs))
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            text, ids = None, self.client.inputs.truncate(ids, params)
         rid, arrival = new_request_id("chatcmpl"), time.time()
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
@@ -318,7 +347,10 @@ class OpenAIServing:
                     }
                 )
             if choices:
-                yield chunk(choices)
+                if req.stream_options and req.stream_options.continuous_usage_stats:
+                    yield {**chunk(choices), "usage": _usage(num_prompt, [out], self.report_cached_tokens)}
+                else:
+                    yield chunk(choices)
         if req.stream_options and req.stream_options.include_usage and last is not None:
             yield {**chunk([]), "usage": _usage(num_prompt, [last], self.report_cached_tokens)}
 

@@ -58,6 +58,11 @@ class _SamplingFields(_Request):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: disabled (extension).")
     min_p: float | None = Field(None, ge=0, le=1, description="Extension.")
+    typical_p: float | None = Field(None, gt=0, le=1, description="Extension: locally typical sampling's mass.")
+    watermark: bool = Field(False, description="Extension (TGI's): green-list watermark with the deployment's key.")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=1, description="Extension (vLLM's): keep only the last N prompt tokens."
+    )
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, description="Extension.")
@@ -187,3 +192,8 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class WatermarkDetectRequest(_Request):
+    text: str | None = Field(None, min_length=1, description="The text to score (tokenized as the model does).")
+    token_ids: list[TokenId] | None = Field(None, min_length=2, description="Or its token ids.")

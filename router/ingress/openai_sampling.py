@@ -63,6 +63,7 @@ def sampling_params(
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k or 0,
         min_p=req.min_p or 0.0,
+        typical_p=1.0 if req.typical_p is None else req.typical_p,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -79,4 +80,5 @@ def sampling_params(
         logit_bias=_logit_bias(req.logit_bias),
         structured_output=_structured(req),
         cache_salt=req.cache_salt,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest
+from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, WatermarkDetectRequest
 from router.ingress.response_models import SSE, SUCCESS, Health
 from router.ingress.tgi_models import GenerateRequest
 
@@ -21,6 +21,7 @@ REF = "#/components/schemas/{model}"
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/watermark/detect", "post"): WatermarkDetectRequest,
     ("/generate", "post"): GenerateRequest,
     ("/generate_stream", "post"): GenerateRequest,
     ("/", "post"): GenerateRequest,

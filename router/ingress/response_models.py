@@ -160,6 +160,14 @@ class Info(BaseModel):
     docker_label: str | None
 
 
+class WatermarkDetection(BaseModel):
+    object: Literal["watermark.detection"]
+    num_tokens: int = Field(..., description="Tokens scored: every token after the first.")
+    num_green: int = Field(..., description="Of those, the ones in their predecessor's green list.")
+    z_score: float
+    p_value: float = Field(..., description="The chance that text without the watermark scores this high.")
+
+
 # --- operations -------------------------------------------------------------------------------
 
 
@@ -189,4 +197,5 @@ SUCCESS: dict[tuple[str, str], dict[str, type[BaseModel]]] = {
     ("/v1/models", "get"): {JSON: ModelList},
     ("/info", "get"): {JSON: Info},
     ("/health", "get"): {JSON: Health},
+    ("/v1/watermark/detect", "post"): {JSON: WatermarkDetection},
 }

@@ -7,13 +7,16 @@ sampling parameter is set, and every token carries its logprob.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
+from engine.errors import InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
+from engine.watermark import Watermark
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
 from router.ingress.streams import collect
@@ -35,6 +38,7 @@ def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParam
         temperature=(p.temperature or 1.0) if sample else 0.0,
         top_p=p.top_p or 1.0,
         top_k=p.top_k or 0,
+        typical_p=p.typical_p or 1.0,
         repetition_penalty=p.repetition_penalty or 1.0,
         frequency_penalty=p.frequency_penalty or 0.0,
         seed=p.seed,
@@ -44,6 +48,7 @@ def sampling_params(p: GenerateParameters, want_logprobs: bool) -> SamplingParam
         logprobs=logprobs,
         prompt_logprobs=0 if p.decoder_input_details else None,
         structured_output=StructuredOutput(p.grammar.type, p.grammar.value, param="grammar") if p.grammar else None,
+        truncate_prompt_tokens=p.truncate,
     )
 
 
@@ -56,8 +61,9 @@ def finish_reason(c: CompletionOutput) -> str:
 
 
 class TGIServing:
-    def __init__(self, client: EngineClient, model_name: str, info: dict) -> None:
+    def __init__(self, client: EngineClient, model_name: str, info: dict, watermark: Watermark | None = None) -> None:
         self.client, self.model_name, self.info_body = client, model_name, info
+        self.watermark = watermark  # the deployment's (AppConfig.watermark_key_file); None: refused
         self.special = set(getattr(client.tokenizer, "all_special_ids", []) or [])
 
     def info(self) -> dict:
@@ -66,13 +72,20 @@ class TGIServing:
     async def _start(self, body: dict, stream: bool):
         req = parse_body(GenerateRequest, body)
         p = req.parameters
+        if p.adapter_id is not None:
+            raise InvalidRequestError("adapter_id: no adapters are served by this deployment", param="adapter_id")
+        if p.watermark and self.watermark is None:
+            raise InvalidRequestError("watermark: this deployment has no watermark key", param="watermark")
         params = sampling_params(p, want_logprobs=stream or p.details)
-        text, ids = await self.client.text_work(1, self.client.inputs.tokenize, req.inputs)
+        if p.watermark:
+            params = dataclasses.replace(params, watermark=self.watermark)
+        text, ids = await self.client.text_work(1, self.client.inputs.tokenize_for, req.inputs, params)
         if "max_new_tokens" not in p.model_fields_set and params.max_tokens is not None:
             # TGI's default of 100 is not something the client asked for: never refuse a request
             # over it, take what the context has left.
             params.max_tokens = max(1, min(params.max_tokens, self.info_body["max_total_tokens"] - len(ids)))
-        out_stream = self.client.generate(new_request_id("tgi"), text, ids, params, time.time(), stream=stream)
+        rid = new_request_id("tgi")
+        out_stream = self.client.generate(rid, text, ids, params, time.time(), p.priority, stream=stream)
         return req, ids, out_stream
 
     def _token(self, tid: int, logprob: float | None, text: str | None = None) -> Token:

@@ -26,7 +26,7 @@ class GenerateParameters(BaseModel):
     temperature: float | None = Field(None, gt=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    typical_p: float | None = None
+    typical_p: float | None = Field(None, gt=0, le=1, description="Locally typical sampling: the mass kept.")
     repetition_penalty: float | None = Field(None, gt=0)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     do_sample: bool = False
@@ -37,10 +37,11 @@ class GenerateParameters(BaseModel):
     return_full_text: bool | None = False
     top_n_tokens: int | None = Field(None, ge=0, le=20)
     best_of: Literal[1] | None = Field(None, description="Only 1 (no best-of sampling).")
-    truncate: int | None = None
-    watermark: bool = False
+    truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` prompt tokens.")
+    watermark: bool = Field(False, description="Green-list watermark (the deployment's key; 400 when it has none).")
     grammar: Grammar | None = Field(None, description="The output must match a JSON schema or a regex.")
-    adapter_id: str | None = None
+    adapter_id: str | None = Field(None, description="Refused (400): no adapters are served.")
+    priority: int = Field(0, description="Extension: lower runs first under scheduling_policy 'priority'.")
 
 
 class GenerateRequest(BaseModel):

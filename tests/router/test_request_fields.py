@@ -1,0 +1,157 @@
+"""Request fields that used to be accepted and ignored now act or are refused: TGI typical_p,
+truncate, priority, adapter_id and watermark; OpenAI truncate_prompt_tokens, typical_p,
+stream_options.continuous_usage_stats; the priority scheduling policy from AppConfig, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.net import wait_healthy
+from tests.router.conftest import BASE
+
+pytestmark = pytest.mark.slow
+
+TEXT = "The lighthouse keeper wrote about ships, storms and the long winter nights. " * 3
+
+
+def _post(url, path, body):
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def test_tgi_truncate_and_typical_p(base_url):
+    full = _post(
+        base_url,
+        "/generate",
+        {"inputs": TEXT, "parameters": {"max_new_tokens": 4, "decoder_input_details": True, "details": True}},
+    )
+    cut = _post(base_url, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 4, "truncate": 8, "decoder_input_details": True, "details": True}})  # fmt: skip
+    assert full.status_code == cut.status_code == 200, cut.text
+    assert len(cut.json()["details"]["prefill"]) == 8 < len(full.json()["details"]["prefill"])
+    seeded = {
+        "inputs": "Once upon a time",
+        "parameters": {"max_new_tokens": 24, "do_sample": True, "seed": 3, "temperature": 1.5},
+    }
+    plain = _post(base_url, "/generate", seeded).json()["generated_text"]
+    seeded["parameters"]["typical_p"] = 0.2
+    typical = _post(base_url, "/generate", seeded).json()["generated_text"]
+    assert typical != plain
+
+
+@pytest.mark.parametrize("field", [{"adapter_id": "my-lora"}, {"watermark": True}])
+def test_tgi_refuses_what_it_cannot_do(base_url, field):
+    r = _post(base_url, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, **field}})
+    assert r.status_code == 422 and next(iter(field)) in r.text, r.text  # TGI's validation status
+
+
+def test_openai_truncate_prompt_tokens(base_url):
+    r = _post(base_url, "/v1/completions", {"prompt": TEXT, "max_tokens": 2, "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8, r.text
+    chat = {"messages": [{"role": "user", "content": TEXT}], "max_tokens": 2, "truncate_prompt_tokens": 5}
+    r = _post(base_url, "/v1/chat/completions", chat)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5, r.text
+
+
+def test_continuous_usage_stats(base_url):
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "ignore_eos": True, "stream": True}
+    body["stream_options"] = {"continuous_usage_stats": True}
+    usages = []
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                usages.append(json.loads(line[6:]).get("usage"))
+    assert usages and all(u is not None for u in usages), usages
+    done = [u["completion_tokens"] for u in usages]
+    assert done == sorted(done) and done[-1] == 6 and usages[0]["prompt_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def priority_app(serve_cluster, tmp_path_factory):
+    """One replica, one sequence at a time, the priority policy, and a watermark key."""
+    from ray import serve
+
+    from router.app import build_app
+    from router.config import AppConfig
+
+    key = tmp_path_factory.mktemp("wm") / "key"
+    key.write_text("424242\n")
+    cfg = AppConfig(**BASE, num_replicas=1, max_num_seqs=1, scheduling_policy="priority", watermark_key_file=str(key))
+    serve.run(build_app(cfg), name="prio", route_prefix="/prio")
+    url = f"{serve_cluster['url']}/prio"
+    wait_healthy(url)
+    yield url
+    serve.delete("prio")
+
+
+def _queue_then_high(url: str, low_and_high) -> list[str]:
+    """One sequence at a time: a long request runs, four low-priority ones queue behind it, then
+    a high-priority one arrives. Returns the names in the order they finished."""
+    finished: list[str] = []
+
+    def run(name: str, send) -> None:
+        r = send()
+        assert r.status_code == 200, r.text
+        finished.append(name)
+
+    long = {"prompt": "Story:", "max_tokens": 200, "ignore_eos": True}
+    threads = [threading.Thread(target=run, args=("first", lambda: _post(url, "/v1/completions", long)))]
+    threads[0].start()
+    time.sleep(1.0)
+    for i in range(4):
+        threads.append(threading.Thread(target=run, args=(f"low{i}", lambda: low_and_high(5))))
+        threads[-1].start()
+    time.sleep(1.0)
+    threads.append(threading.Thread(target=run, args=("high", lambda: low_and_high(-5))))
+    threads[-1].start()
+    for t in threads:
+        t.join(timeout=300)
+    return finished
+
+
+def test_a_high_priority_request_goes_ahead_of_the_queue(priority_app):
+    def send(priority: int) -> httpx.Response:
+        body = {"prompt": "Story:", "max_tokens": 10, "ignore_eos": True, "priority": priority}
+        return _post(priority_app, "/v1/completions", body)
+
+    finished = _queue_then_high(priority_app, send)
+    assert finished.index("high") < min(finished.index(f"low{i}") for i in range(4)), finished
+
+
+def test_tgi_priority_reaches_the_engine(priority_app):
+    def send(priority: int) -> httpx.Response:
+        body = {"inputs": "Story:", "parameters": {"max_new_tokens": 10, "priority": priority}}
+        return _post(priority_app, "/generate", body)
+
+    finished = _queue_then_high(priority_app, send)
+    assert finished.index("high") < min(finished.index(f"low{i}") for i in range(4)), finished
+
+
+def test_watermarked_outputs_over_http_are_detected(priority_app, base_url):
+    tgi = {"inputs": "Once upon a time", "parameters": {"max_new_tokens": 120, "do_sample": True, "seed": 5}}
+    tgi["parameters"]["watermark"] = True
+    marked = _post(priority_app, "/generate", tgi)
+    assert marked.status_code == 200, marked.text
+    cmpl = {"prompt": "The weather today", "max_tokens": 120, "ignore_eos": True, "seed": 5, "watermark": True}
+    marked_openai = _post(priority_app, "/v1/completions", cmpl)
+    assert marked_openai.status_code == 200, marked_openai.text
+    plain = _post(priority_app, "/v1/completions", {**cmpl, "watermark": False})
+    z = {}
+    for name, text in (
+        ("tgi", marked.json()["generated_text"]),
+        ("openai", marked_openai.json()["choices"][0]["text"]),
+        ("plain", plain.json()["choices"][0]["text"]),
+    ):
+        r = _post(priority_app, "/v1/watermark/detect", {"text": text})
+        assert r.status_code == 200, r.text
+        z[name] = r.json()["z_score"]
+    print(f"watermark z-scores over HTTP: {z}")
+    assert z["tgi"] > 4 and z["openai"] > 4 and z["plain"] < 4
+    # A deployment without a key refuses both the flag and the detector.
+    r = _post(base_url, "/v1/watermark/detect", {"text": "hello there"})
+    assert r.status_code == 400 and "watermark" in r.text
+    r = _post(base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "watermark": True})
+    assert r.status_code == 400 and "watermark" in r.text
