@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [f"Write a few paragraphs about {TOPICS[i % len(TOPICS)]} (take {i})." for i in range(a.requests)]
         prompt_ids = [llm.engine.tokenizer(p).input_ids for p in prompts]
         print(f"gamma {a.gamma}, delta {a.delta}, {a.requests} prompts, z threshold {a.threshold}")
-        print("| tokens | detected (watermarked) | flagged (plain) | median z marked / plain | perplexity marked / plain |")
+        print(
+            "| tokens | detected (watermarked) | flagged (plain) | median z marked / plain | perplexity marked / plain |"
+        )
         print("|---|---|---|---|---|")
         for tokens in a.tokens:
             sets = {}
