@@ -13,11 +13,8 @@ as before, and its replica is replaced.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-log = logging.getLogger(__name__)
 
 MAX_CULPRITS_IN_A_ROW = 4  # isolated faults with no good step between: the step itself is broken
 
@@ -37,8 +34,10 @@ class StepFaults:
         return None, list(new_ids or scheduled_ids)
 
     def step_ok(self, scheduled_ids: Iterable[str]) -> None:
+        """Called after every good step: nothing to do unless a fault left suspects."""
         self.culprits_in_a_row = 0
-        self.quarantined.difference_update(scheduled_ids)
+        if self.quarantined:
+            self.quarantined.difference_update(scheduled_ids)
 
     def found_culprit(self, request_id: str) -> bool:
         """Count a culprit; False when too many came in a row (the engine should die)."""

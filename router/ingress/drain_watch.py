@@ -12,12 +12,11 @@ replica killed outright needs no watch: its output channel fails and its request
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
 import logging
 import time
 from typing import TYPE_CHECKING, Callable
 
+from router.ingress.periodic import Periodic
 from router.replica_choice import registry
 
 if TYPE_CHECKING:
@@ -30,7 +29,9 @@ log = logging.getLogger(__name__)
 CHECK_S = 0.5  # how often replicas with requests here are looked up in the router's list
 
 
-class DrainWatch:
+class DrainWatch(Periodic):
+    every_s = CHECK_S
+
     def __init__(
         self,
         handle: DeploymentHandle,
@@ -39,21 +40,11 @@ class DrainWatch:
         on_drained: Callable[[str, list[str]], None],
     ) -> None:
         self.handle, self.channels, self.budget_s, self.on_drained = handle, channels, budget_s, on_drained
+        super().__init__()
         self.unlisted_since: dict[str, float] = {}  # replica -> when it left the router's list
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        """Idempotent; called with each request (the loop runs by then)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(CHECK_S)
-            try:
-                self.check(time.monotonic())
-            except Exception:  # noqa: BLE001 - the watch must outlive one bad pass
-                log.exception("drain watch failed")
+    async def tick(self) -> None:
+        self.check(time.monotonic())
 
     def check(self, now: float) -> None:
         active = self.channels.active

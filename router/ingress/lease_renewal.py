@@ -7,9 +7,10 @@ Ray keeps a streaming call's generator running after its caller dies.)"""
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from typing import TYPE_CHECKING
+
+from router.ingress.periodic import Periodic
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -19,22 +20,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class LeaseRenewal:
+class LeaseRenewal(Periodic):
     def __init__(self, handle: DeploymentHandle, channels: OutputReader, lease_s: float) -> None:
+        super().__init__()
         self.handle, self.channels, self.every_s = handle, channels, lease_s / 3
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        """Idempotent; called with each request (the loop runs by then)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), context=contextvars.Context())
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.every_s)
-            replicas = list(self.channels.active)
-            if replicas:
-                await asyncio.gather(*(self._renew(r) for r in replicas))
+    async def tick(self) -> None:
+        replicas = list(self.channels.active)
+        if replicas:
+            await asyncio.gather(*(self._renew(r) for r in replicas))
 
     async def _renew(self, replica: str) -> None:
         try:
