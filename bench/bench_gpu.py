@@ -80,6 +80,27 @@ def run_hf(model, prompts: list[list[int]], new: int) -> dict:
     return {"tok_s": len(prompts) * new / wall, "ttft_ms": 1e3 * ttft, "wall_s": wall}
 
 
+def saved_params(path: str) -> int:
+    """Parameters in a saved model's safetensors files (their headers only)."""
+    import glob
+
+    from safetensors import safe_open
+
+    total = 0
+    for f in glob.glob(f"{path}/*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                total += _numel(st.get_slice(k).get_shape())
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Parameters and the tensors a quantized one carries (scales, zeros, plain rows)."""
     seen, total = set(), 0
@@ -94,14 +115,18 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def bench_model(shape: str, args) -> list[dict]:
     import os
 
-    from bench.random_llama import save_random_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench.random_llama import model_dir
     from engine import LLM
 
     rows = []
-    with tempfile.TemporaryDirectory() as path:
+    with tempfile.TemporaryDirectory() as tmp:
         dtype = getattr(torch, args.dtype)
-        hf, tok = save_random_llama(path, shape, dtype)
-        nparams = sum(p.numel() for p in hf.parameters())
+        path = model_dir(args.model_dir or tmp, shape, dtype)
+        tok = AutoTokenizer.from_pretrained(path)
+        nparams = saved_params(path)
+        hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="cuda").eval()
         for config in args.backends:
             head, *rest = config.split("/")
             backend, _, mode = head.partition(":")
@@ -126,6 +151,7 @@ def bench_model(shape: str, args) -> list[dict]:
                 enable_prefix_caching=False,
                 quantization=quant,
                 kv_cache_dtype=kv,
+                **({"overlap_text": args.overlap_text == "on"} if args.overlap_text != "auto" else {}),
             )
             start_s = time.perf_counter() - t0  # load, pool sizing and graph capture
             num_blocks = llm.engine.core.executor.num_blocks
@@ -142,7 +168,7 @@ def bench_model(shape: str, args) -> list[dict]:
                     {
                         "model": shape,
                         "params": nparams,
-                        "system": f"engine ({config})",
+                        "system": f"engine ({config}{'' if args.overlap_text == 'auto' else ', overlap ' + args.overlap_text})",
                         "batch": b,
                         "kv_blocks": num_blocks,
                         "kv_tokens": stats["kv_capacity_tokens"],
@@ -200,6 +226,13 @@ def main(argv=None) -> None:
         "--gpu-memory-utilization", type=float, default=0.5, help="engine share (transformers' model stays loaded)"
     )
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--overlap-text",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the engine's overlap_text (auto: on CUDA)",
+    )
+    ap.add_argument("--model-dir", default=None, help="build the random models here once and reuse them")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)

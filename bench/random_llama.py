@@ -29,6 +29,16 @@ SHAPES = {
         tie_word_embeddings=True,
         rope_theta=100000.0,
     ),
+    # Llama-3-8B's layers (SmolLM2's vocabulary, so ~7.4B parameters): the GPU profile's large shape.
+    "llama-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
     "llama-1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
@@ -72,3 +82,20 @@ def save_random_llama(
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return model, tok
+
+
+def model_dir(root: str | None, shape: str, dtype=torch.bfloat16, device: str = "cuda") -> str:
+    """A saved random model of `shape`: built once under `root` and reused (a temporary folder
+    kept for the process when `root` is None)."""
+    import pathlib
+    import tempfile
+
+    base = pathlib.Path(root) if root else pathlib.Path(tempfile.mkdtemp(prefix="orbital-random-"))
+    path = base / f"{shape}-{str(dtype)[6:]}"
+    if not (path / "config.json").exists():
+        path.mkdir(parents=True, exist_ok=True)
+        model, _ = save_random_llama(path, shape, dtype, device=device)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return str(path)

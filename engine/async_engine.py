@@ -261,14 +261,14 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    while not self._inbox and not self._stopping and not self.engine.core.has_work():
+                    while not self._inbox and not self._stopping and not self._has_work():
                         self._wake.wait()
                     if self._stopping:
                         break
                     inbox, self._inbox = self._inbox, []
                 for msg in inbox:
                     self._handle(msg)
-                if self.engine.core.has_work():
+                if self._has_work():
                     self._step()
                     self._hand_out_kv_loads()
                 elif inbox:  # an abort or finish with no step after it: publish the freed KV
@@ -286,6 +286,9 @@ class AsyncEngine:
             with self._lock:
                 for s in list(self._streams.values()):
                     s.put(EngineDeadError("engine shut down") if self._stopping else _DONE)
+
+    def _has_work(self) -> bool:
+        return self.engine.core.has_work() or self.engine.step_in_flight
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -327,7 +330,8 @@ class AsyncEngine:
         eng = self.engine
         self._step_started = time.monotonic()
         try:
-            core_outputs = eng.core.step()
+            # Overlapped (CUDA): the next step is launched before this one's text is made below.
+            core_outputs = eng.finish_and_launch() if eng.overlap_text else eng.core.step()
         finally:
             self._step_started = None
         self.step_count += 1

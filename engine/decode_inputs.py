@@ -8,6 +8,7 @@ padded graph never touches a live sequence's cache.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.layers.attention.metadata import AttentionMetadata
@@ -56,15 +57,25 @@ class DecodeInputs:
             self._copied.synchronize()  # the last step's copies have left the pinned memory
         ids, pos, slots, info, table = self._np
         bs, n = self.bs, len(states)
-        for i, st in enumerate(states):
-            nc = st.num_computed_tokens
-            p = len(st.prompt_token_ids)
-            ids[i] = st.prompt_token_ids[nc] if nc < p else st.output_token_ids[nc - p]
-            pos[i] = nc
-            nb = nc // bs + 1
-            slots[i] = st.block_ids[nb - 1] * bs + nc % bs
-            info[i, 2] = nc
-            table[i, :nb] = st.block_ids[:nb]
+        # Whole columns from lists: one numpy assignment per buffer, not one per element.
+        nc = [st.num_computed_tokens for st in states]
+        ids[:n] = [
+            st.prompt_token_ids[c]
+            if c < len(st.prompt_token_ids)
+            else st.output_token_ids[c - len(st.prompt_token_ids)]
+            for st, c in zip(states, nc)
+        ]
+        pos[:n] = nc
+        info[:n, 2] = nc
+        slots[:n] = [st.block_ids[c // bs] * bs + c % bs for st, c in zip(states, nc)]
+        # Block tables: every row's blocks in one flat list, scattered in one indexed assignment.
+        nbs = [c // bs + 1 for c in nc]
+        flat = [b for st, nb in zip(states, nbs) for b in st.block_ids[:nb]]
+        if flat:
+            counts = np.asarray(nbs)
+            rows_of = np.repeat(np.arange(n), counts)
+            cols_of = np.arange(len(flat)) - np.repeat(np.cumsum(counts) - counts, counts)
+            table[rows_of, cols_of] = flat
         ids[n:rows], pos[n:rows], info[n:rows, 2] = 0, 0, 0
         slots[n:rows] = self.sink_block * bs
         table[n:rows, 0] = self.sink_block

@@ -33,6 +33,10 @@ class EngineArgs:
     # layer turns it on; offline there is nobody to leave the core to.
     spare_core_max_tokens: int = 0
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
+    # Turn the previous step's tokens into text while the device runs the next step (the step
+    # is launched first). None: on where steps run asynchronously (CUDA, tp=1); on CPU a step
+    # runs to its end when launched, so overlapping would only deliver text a step later.
+    overlap_text: bool | None = None
     # Speculative decoding, off by default: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": .., "prompt_lookup_max": ..} or "ngram:k" (engine/spec_decode/config.py).
     speculative_config: dict | str | None = None

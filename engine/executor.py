@@ -25,6 +25,12 @@ class Executor(abc.ABC):
     @abc.abstractmethod
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def launch_model(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        """Start the step; the returned call completes it (model_runner.launch_model). Here the
+        step runs to the end at once."""
+        mro = self.execute_model(so)
+        return lambda: mro
+
     def check_health(self) -> None:
         """Raise EngineDeadError when a worker is gone."""
 
@@ -72,6 +78,9 @@ class InProcessExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
+
+    def launch_model(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
+        return self.runner.launch_model(so)
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()

@@ -11,7 +11,7 @@ import itertools
 import torch
 
 from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, StepInFlight
 from engine.cuda_graph import MAX_GRAPH_BATCH
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
@@ -83,6 +83,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
+        on_cuda_tp1 = torch.device(args.device).type == "cuda" and args.tensor_parallel_size == 1
+        self.overlap_text = on_cuda_tp1 if args.overlap_text is None else args.overlap_text
+        self._in_flight: StepInFlight | None = None
 
     def next_request_id(self) -> str:
         return f"req-{next(self._ids)}"
@@ -124,7 +127,24 @@ class LLMEngine:
         self.core.abort_requests(children)
 
     def step(self) -> list[RequestOutput]:
-        return self.process_core_outputs(self.core.step())
+        if not self.overlap_text:
+            return self.process_core_outputs(self.core.step())
+        core_outputs = self.finish_and_launch()
+        return self.process_core_outputs(core_outputs)  # while the device runs the next step
+
+    def finish_and_launch(self) -> list[EngineCoreOutput]:
+        """Overlapped stepping: complete the step in flight (launching one first if none is),
+        then launch the next if there is work, and return the completed step's outputs."""
+        step = self._in_flight or self.core.begin_step()
+        self._in_flight = None
+        core_outputs = self.core.finish_step(step)
+        if self.core.has_work():
+            self._in_flight = self.core.begin_step()
+        return core_outputs
+
+    @property
+    def step_in_flight(self) -> bool:
+        return self._in_flight is not None
 
     def process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Token ids -> text for requests added here; a matched stop string ends its sequence."""
@@ -137,7 +157,7 @@ class LLMEngine:
         return request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._children) or self.core.has_unfinished_requests()
+        return bool(self._children) or self.core.has_unfinished_requests() or self._in_flight is not None
 
     def stats(self) -> dict:
         return self.core.stats()

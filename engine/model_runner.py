@@ -6,10 +6,13 @@ own per-request state. Rank 0 samples and returns token ids; other ranks return 
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import Callable
 
 import torch
 
+from engine import host_to_device
 from engine.attn_metadata_builder import StepBatch, build_step_batch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -20,7 +23,7 @@ from engine.kv_memory import allocate_kv_caches
 from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
 from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
-from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
+from engine.layers.sampler import Sampler, SamplerOutput, argmax_rows, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
 from engine.runner_state import RunnerRequestState, RunnerStates
@@ -29,6 +32,19 @@ from engine.spec_decode.verify import accept_drafts
 
 # Logits rows computed at once for prompt logprobs, and reserved by the memory profile.
 LOGIT_ROWS = 256
+
+
+def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] without making the host wait for the device: consecutive rows (every decode-only
+    step) are a slice, others an index copied without a wait (host_to_device.py): `x[list]` on
+    CUDA would wait for the step's forward before the host could go on."""
+    if rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        return x[rows[0] : rows[-1] + 1]
+    return x[host_to_device.tensor(rows, torch.int64, x.device)]
+
+
+def _none() -> None:  # what a rank that does not sample returns
+    return None
 
 
 def _step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
@@ -228,13 +244,20 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, inputs, self.cuda_graph_max_batch)
         self.graphs.capture()
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.launch_model(so)()
+
+    @torch.inference_mode()
+    def launch_model(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput | None]:
+        """Enqueue the step's work and return what completes it. On CUDA the forward, logits and
+        sampling are queued without waiting, so the host can do other work (the last step's
+        text) while the GPU runs; the returned call waits for the sampled ids. Call it before
+        launching the next step: that step reads the tokens it records."""
         if so.kv_copies:  # tail hits: before any of this step's KV writes
             copy_slots(self.kv_caches, so.kv_copies)
         self.states.apply(so)
         if so.is_empty:
-            return ModelRunnerOutput() if self.tp.rank == 0 else None
+            return functools.partial(ModelRunnerOutput) if self.tp.rank == 0 else _none
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
         counts = [so.num_scheduled_tokens[r] for r in rids]
@@ -265,15 +288,17 @@ class ModelRunner:
             )
         ]
         num_sample_rows = len(rows)
-        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        logits = self.model.compute_logits(take_rows(hidden, rows)) if rows else None
         prompt_lp = self._prompt_logprobs(hidden, prompt_lp, by_id)
         for k, r in enumerate(batch.request_ids):
             by_id[r].num_computed_tokens += batch.counts[k]
         if self.tp.rank != 0:
             for st in states:
                 st.spec_token_ids = []
-            return None
-        return self._sample(batch, by_id, sample_idx, logits, num_sample_rows, prompt_lp, so.grammar_bitmasks)
+            return _none
+        sts = [by_id[batch.request_ids[k]] for k in sample_idx]
+        res = self._sample_positions(sts, logits[:num_sample_rows], so.grammar_bitmasks) if num_sample_rows else None
+        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp)
 
     def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmasks: dict):
         """One sampler row per scored position: a request's position j (after j drafts) sees
@@ -291,8 +316,7 @@ class ModelRunner:
                 gens.append(None if seed is None else _step_generator(seed, n_out + j, logits.device))
                 masks.append(None if bm is None else bm[j])
         md = SamplingMetadata.build(params, prompts, outputs, gens, [self._eos] * len(params), self.device, masks)
-        res = self.sampler(logits, md)
-        return res, res.sampled_token_ids.tolist()
+        return self.sampler(logits, md)
 
     def _prompt_logprob_rows(self, batch, by_id):
         """(request id, hidden rows, target token ids, chunk starts the prompt) for prompt
@@ -325,13 +349,13 @@ class ModelRunner:
             got[r] = ([None] if starts_prompt else []) + lps
         return got
 
-    def _sample(
-        self, batch, by_id: dict[str, RunnerRequestState], sample_idx, logits, ns: int, prompt_lp, bitmasks
+    def _sampled_output(
+        self, batch, sts: list[RunnerRequestState], res: SamplerOutput | None, prompt_lp
     ) -> ModelRunnerOutput:
+        """The step's output once its sampled ids are on the host (the one wait of a step)."""
         out = ModelRunnerOutput()
-        if ns:
-            sts = [by_id[batch.request_ids[k]] for k in sample_idx]
-            res, tokens = self._sample_positions(sts, logits[:ns], bitmasks)
+        if res is not None:
+            tokens = res.sampled_token_ids.tolist()
             row = 0
             for s in sts:
                 emitted, lps = accept_drafts(s.spec_token_ids, tokens, res.logprobs, row)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.host_to_device import tensor, to_device
 from engine.sampling_params import SamplingParams
 
 _PAD = -1  # padding of the token-id tables; mapped to a spare column by the sampler
@@ -43,6 +44,8 @@ class SamplingMetadata:
     watermark: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Structured outputs: (rows, [R, ceil(V/32)] int32 bitmask of the tokens each may take).
     allowed_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Per row: greedy or not, on the host (reading greedy_mask back would wait for the device).
+    greedy: list[bool] = field(default_factory=list)
     # Logprobs: per-row k (None = not requested) and the batch maximum (None = nobody asked).
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
@@ -85,18 +88,16 @@ class SamplingMetadata:
         all_greedy, all_random = all(greedy), not any(greedy)
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return tensor(values, torch.float32, device)
 
         temperature = top_k = top_p = typical_p = min_p = greedy_mask = None
         if not all_greedy:
             temperature = f32([1.0 if g else p.temperature for p, g in zip(params, greedy)])
             if not all_random:
-                greedy_mask = torch.tensor(greedy, dtype=torch.bool, device=device)
+                greedy_mask = tensor(greedy, torch.bool, device)
             # Filters only matter for random rows; greedy rows get neutral values.
             if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
-                top_k = torch.tensor(
-                    [0 if g else p.top_k for p, g in zip(params, greedy)], dtype=torch.int64, device=device
-                )
+                top_k = tensor([0 if g else p.top_k for p, g in zip(params, greedy)], torch.int64, device)
             if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
                 top_p = f32([1.0 if g else p.top_p for p, g in zip(params, greedy)])
             if any(p.typical_p < 1.0 and not g for p, g in zip(params, greedy)):
@@ -115,6 +116,7 @@ class SamplingMetadata:
             typical_p=typical_p,
             min_p=min_p,
             generators=generators,
+            greedy=greedy,
         )
 
         if any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
@@ -138,16 +140,16 @@ class SamplingMetadata:
             cols += sorted(blocked)
         if rows:
             md.min_tokens_block = (
-                torch.tensor(rows, dtype=torch.int64, device=device),
-                torch.tensor(cols, dtype=torch.int64, device=device),
+                tensor(rows, torch.int64, device),
+                tensor(cols, torch.int64, device),
             )
 
         bias = [(i, t, v) for i, p in enumerate(params) for t, v in (p.logit_bias or {}).items()]
         if bias:
             r, t, v = zip(*bias)
             md.logit_bias = (
-                torch.tensor(r, dtype=torch.int64, device=device),
-                torch.tensor(t, dtype=torch.int64, device=device),
+                tensor(r, torch.int64, device),
+                tensor(t, torch.int64, device),
                 f32(list(v)),
             )
         marked = [i for i, p in enumerate(params) if p.watermark is not None]
@@ -155,17 +157,17 @@ class SamplingMetadata:
             prev = [(output_token_ids[i] or prompt_token_ids[i])[-1] for i in marked]
             wms = [params[i].watermark for i in marked]
             md.watermark = (
-                torch.tensor(marked, dtype=torch.int64, device=device),
-                torch.tensor(prev, dtype=torch.int64, device=device),
-                torch.tensor([w.key for w in wms], dtype=torch.int64, device=device),
-                torch.tensor([w.gamma for w in wms], dtype=torch.float64, device=device),
+                tensor(marked, torch.int64, device),
+                tensor(prev, torch.int64, device),
+                tensor([w.key for w in wms], torch.int64, device),
+                tensor([w.gamma for w in wms], torch.float64, device),
                 f32([w.delta for w in wms]),
             )
         masked = [i for i, m in enumerate(bitmasks or []) if m is not None]
         if masked:
             md.allowed_tokens = (
-                torch.tensor(masked, dtype=torch.int64, device=device),
-                torch.stack([bitmasks[i] for i in masked]).to(device),
+                tensor(masked, torch.int64, device),
+                to_device(torch.stack([bitmasks[i] for i in masked]), device),
             )
 
         md.num_logprobs = [p.logprobs for p in params]
@@ -180,4 +182,4 @@ def _pad(rows: list[list[int]], device) -> torch.Tensor:
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device)
+    return to_device(out, device)

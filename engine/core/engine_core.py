@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEventLog
@@ -64,26 +65,45 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        return self.finish_step(self.begin_step())
+
+    def begin_step(self) -> StepInFlight:
+        """Schedule and launch a step: on CUDA the model's work is queued and this returns before
+        it ends, so the caller can process the previous step's text meanwhile. `finish_step`
+        must follow before the next `begin_step`. Requests finished or aborted in between keep
+        their scheduled work; its tokens are dropped (update_from_output skips them)."""
         so = self.scheduler.schedule()
         # Published before the model runs: the blocks are in the hash map once scheduled.
         self.publish_kv_events()
         if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
-            return self.scheduler.update_from_output(so, _EMPTY)
+            return StepInFlight(so, outputs=self.scheduler.update_from_output(so, _EMPTY))
         if self.step_threads is not None:
             self.step_threads.apply(so.total_num_scheduled_tokens)
         t0 = time.perf_counter()
         try:
-            mro = self.executor.execute_model(so)
+            return StepInFlight(so, self.executor.launch_model(so), t0)
         except Exception as e:
-            # A rank gone (tp>1) leaves nothing to isolate; else step_faults.py.
-            outputs = None if isinstance(e, EngineDeadError) else self.scheduler.isolate_fault(so, e)
-            if outputs is None:
-                self.fatal_suspects = {r.request_id for r in so.new_requests}
-                raise
-            return outputs
-        self.scheduler.observe_step_time(so, time.perf_counter() - t0)
+            return StepInFlight(so, outputs=self._step_failed(so, e))
+
+    def finish_step(self, step: StepInFlight) -> list[EngineCoreOutput]:
+        if step.outputs is not None:
+            return step.outputs
+        so = step.so
+        try:
+            mro = step.complete()
+        except Exception as e:
+            return self._step_failed(so, e)
+        self.scheduler.observe_step_time(so, time.perf_counter() - step.started)
         outputs = self.scheduler.update_from_output(so, mro)
         self._export_kv(outputs)
+        return outputs
+
+    def _step_failed(self, so: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
+        # A rank gone (tp>1) leaves nothing to isolate; else step_faults.py.
+        outputs = None if isinstance(e, EngineDeadError) else self.scheduler.isolate_fault(so, e)
+        if outputs is None:
+            self.fatal_suspects = {r.request_id for r in so.new_requests}
+            raise e
         return outputs
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
@@ -140,6 +160,17 @@ class EngineCore:
         self.executor.shutdown()
 
 
-from engine.core.scheduler_output import ModelRunnerOutput  # noqa: E402
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput  # noqa: E402
 
 _EMPTY = ModelRunnerOutput()
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: `complete` waits for its model output; `outputs` set when the step
+    needed no model run or failed at launch."""
+
+    so: SchedulerOutput
+    complete: Callable[[], ModelRunnerOutput] | None = None
+    started: float = 0.0
+    outputs: list[EngineCoreOutput] | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import host_to_device
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.outputs import TokenLogprob
 from engine.sampling_metadata import SamplingMetadata
@@ -198,11 +199,11 @@ def exponential_race(probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     state stays untouched); rows without a generator share torch's default one."""
     b, v = probs.shape
     q = torch.ones_like(probs)
-    greedy = [False] * b if md.greedy_mask is None else md.greedy_mask.tolist()
+    greedy = md.greedy or [False] * b
     shared = [i for i in range(b) if not greedy[i] and md.generators[i] is None]
     if shared:
         noise = torch.empty(len(shared), v, dtype=torch.float32, device=probs.device).exponential_()
-        q[torch.tensor(shared, device=probs.device)] = noise
+        q[host_to_device.tensor(shared, torch.int64, probs.device)] = noise
     for i, g in enumerate(md.generators):
         if g is not None and not greedy[i]:
             if g.device.type != probs.device.type:  # torch's own error names neither the row nor the fix
