@@ -58,7 +58,17 @@ def cmd_run(a) -> int:
     cfg, arr = O.client_config(a), O.arrival(a)
     wl, counter, specs = _specs(a)
     config = O.config_dict(a, cfg, wl, arr, counter.name)
-    res = measure(specs, cfg, arr, O.slo(a), config, label=a.label, scrape=a.scrape_metrics, **O.run_kwargs(a))
+    res = measure(
+        specs,
+        cfg,
+        arr,
+        O.slo(a),
+        config,
+        label=a.label,
+        scrape=a.scrape_metrics,
+        series_interval_s=a.metrics_interval_s,
+        **O.run_kwargs(a),
+    )
     out = a.out or os.path.join("loadtest-results", f"{res['label'].replace(' ', '_')}.json")
     save(res, out)
     print(report.summary(res))
@@ -94,6 +104,7 @@ def cmd_sweep(a) -> int:
         seed=a.seed,
         label=a.label or f"{wl.name} sweep",
         scrape=a.scrape_metrics,
+        series_interval_s=a.metrics_interval_s,
         **O.run_kwargs(a),
     )
     print(sweep_table(res, markdown=False))

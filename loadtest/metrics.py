@@ -9,7 +9,7 @@ import numpy as np
 
 from loadtest.records import RequestRecord
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 95, 99)
 
 
 @dataclass(frozen=True)
@@ -34,11 +34,16 @@ class SLO:
 
 
 def stats_ms(values_s: list[float]) -> dict[str, float | None]:
-    """mean/min/max/p50/p90/p99 in milliseconds (linear interpolation, as numpy and vLLM)."""
+    """mean/min/max/p50/p90/p95/p99 in milliseconds (linear interpolation, as numpy and vLLM)."""
+    return stats(values_s, 1e3)
+
+
+def stats(values: list[float], scale: float = 1.0) -> dict[str, float | None]:
+    """mean/min/max and the PERCENTILES of values * scale."""
     keys = ["mean", "min", "max"] + [f"p{p}" for p in PERCENTILES]
-    if not values_s:
+    if not values:
         return {k: None for k in keys} | {"count": 0}
-    a = np.asarray(values_s, dtype=float) * 1e3
+    a = np.asarray(values, dtype=float) * scale
     out = {"mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
     out |= {f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}
     return out | {"count": int(a.size)}
@@ -67,6 +72,8 @@ def aggregate(records: list[RequestRecord], duration_s: float, slo: SLO = SLO(),
         "tpot_ms": stats_ms([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": stats_ms([g for r in ok for g in r.itl]),
         "e2e_ms": stats_ms([r.latency for r in ok if r.latency is not None]),
+        # Each request's own output rate: its output tokens over its end-to-end latency.
+        "request_tok_s": stats([r.output_tokens / r.latency for r in ok if r.latency and r.output_tokens]),
         "output_tokens": out_tokens,
         "prompt_tokens": in_tokens,
         "output_tok_s": out_tokens / dur,

@@ -93,7 +93,11 @@ def add_slo_output(p: argparse.ArgumentParser) -> None:
         "--scrape-metrics",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="read prefix-cache counters from the server's /metrics",
+        help="read the server's /metrics: prefix-cache counters before and after, and its running batch, "
+        "queue depth, KV usage, preemptions and prefix hit rate during the run",
+    )
+    g.add_argument(
+        "--metrics-interval-s", type=float, default=1.0, help="seconds between /metrics samples during the run"
     )
 
 

@@ -74,7 +74,7 @@ def sweep_plot(sweep: dict, path: str) -> str:
         return [np.nan if a[key][sub] is None else a[key][sub] for a in agg]
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for sub in ("p50", "p90", "p99"):
+    for sub in ("p50", "p90", "p95", "p99"):
         axes[0].plot(x, col("ttft_ms", sub), marker="o", label=f"TTFT {sub}")
         axes[1].plot(x, col("tpot_ms", sub), marker="o", label=f"TPOT {sub}")
     axes[2].plot(x, [a["output_tok_s"] for a in agg], marker="o", label="output tok/s")
@@ -95,12 +95,46 @@ def sweep_plot(sweep: dict, path: str) -> str:
     return _save(fig, path)
 
 
+def server_over_time(results: list[dict], path: str) -> str:
+    """The server's own figures scraped during each run (servermetrics.SeriesPoller)."""
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    for res in results:
+        s, label = res.get("server_series") or {}, res.get("label", "run")
+        if not s.get("t"):
+            continue
+        t = np.asarray(s["t"])
+
+        def line(ax, key, name):
+            y = np.asarray([np.nan if v is None else v for v in s.get(key, [])], dtype=float)
+            if len(y) == len(t) and not np.all(np.isnan(y)):
+                ax.plot(t, y, marker=".", label=f"{label}: {name}")
+
+        line(axes[0], "num_running", "running batch")
+        line(axes[0], "num_waiting", "queue depth")
+        line(axes[1], "kv_cache_usage", "KV cache usage")
+        line(axes[1], "prefix_hit_rate", "prefix hit rate")
+        line(axes[2], "preemptions", "preemptions")
+    axes[0].set_ylabel("requests")
+    axes[1].set_ylabel("fraction")
+    axes[2].set_ylabel("since start")
+    axes[2].set_xlabel("time since start (s)")
+    axes[0].set_title("server figures during the run (/metrics)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def plot_results(results: list[dict], out_dir: str, prefix: str = "") -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    return [
+    paths = [
         latency_cdfs(results, os.path.join(out_dir, f"{prefix}latency_cdf.png")),
         throughput_over_time(results, os.path.join(out_dir, f"{prefix}throughput.png")),
     ]
+    if any((r.get("server_series") or {}).get("t") for r in results):
+        paths.append(server_over_time(results, os.path.join(out_dir, f"{prefix}server.png")))
+    return paths
 
 
 def _save(fig, path: str) -> str:

@@ -43,9 +43,32 @@ def summary(result: dict) -> str:
     sm = result.get("server_metrics") or {}
     if sm.get("prefix_cache_hit_rate") is not None:
         lines.append(f"prefix cache {100 * sm['prefix_cache_hit_rate']:.1f}% hit rate (server /metrics)")
-    head = f"{'':12} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}"
-    lines += ["", head]
-    for key, name in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "ITL ms"), ("e2e_ms", "E2E ms")):
-        s = a[key]
-        lines.append(f"{name:12} " + " ".join(f"{_fmt(s[k]):>9}" for k in ("mean", "p50", "p90", "p99", "max")))
+    cols = ("mean", "p50", "p90", "p95", "p99", "max")
+    lines += ["", f"{'':12} " + " ".join(f"{c:>9}" for c in cols)]
+    for key, name in (
+        ("ttft_ms", "TTFT ms"),
+        ("tpot_ms", "TPOT ms"),
+        ("itl_ms", "ITL ms"),
+        ("e2e_ms", "E2E ms"),
+        ("request_tok_s", "req tok/s"),
+    ):
+        s = a.get(key)
+        if s:
+            lines.append(f"{name:12} " + " ".join(f"{_fmt(s.get(k)):>9}" for k in cols))
+    series = result.get("server_series")
+    if series and series.get("t"):
+        lines += ["", f"server ({len(series['t'])} samples, every {series['interval_s']:g} s)   mean       max"]
+        for key, name in SERVER_SERIES_NAMES.items():
+            vals = [v for v in series.get(key, []) if v is not None]
+            if vals:
+                lines.append(f"  {name:28} {_fmt(sum(vals) / len(vals), 2):>9} {_fmt(max(vals), 2):>9}")
     return "\n".join(lines)
+
+
+SERVER_SERIES_NAMES = {
+    "num_running": "running batch (requests)",
+    "num_waiting": "queue depth (requests)",
+    "kv_cache_usage": "KV cache usage (0..1)",
+    "preemptions": "preemptions (since start)",
+    "prefix_hit_rate": "prefix hit rate (interval)",
+}

@@ -18,7 +18,12 @@ SWEEP_KIND = "orbital.loadtest.sweep"
 
 
 def make_result(
-    config: dict, run: RunOutput, slo: SLO, label: str | None = None, server_metrics: dict | None = None
+    config: dict,
+    run: RunOutput,
+    slo: SLO,
+    label: str | None = None,
+    server_metrics: dict | None = None,
+    server_series: dict | None = None,
 ) -> dict:
     return {
         "schema_version": SCHEMA_VERSION,
@@ -30,6 +35,7 @@ def make_result(
         "config": config,
         "aggregates": aggregate(run.records, run.duration_s, slo, run.not_sent),
         "server_metrics": server_metrics,
+        "server_series": server_series,
         "requests": [r.to_dict() for r in run.records],
     }
 

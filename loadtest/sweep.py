@@ -23,14 +23,20 @@ def measure(
     config: dict,
     label: str | None = None,
     scrape: bool = True,
+    series_interval_s: float = 1.0,
     **run_kw,
 ) -> dict:
-    """Run once and return the result dict (with /metrics prefix-cache deltas when available)."""
-    before = servermetrics.scrape(cfg.root) if scrape else {}
-    out = run(specs, cfg, arrival, **run_kw)
-    after = servermetrics.scrape(cfg.root) if scrape else {}
+    """Run once and return the result dict (with /metrics prefix-cache deltas, and the server's
+    figures every `series_interval_s` during the run, when the server exports them)."""
+    before = servermetrics.scrape(cfg.root, headers=cfg.headers()) if scrape else {}
+    poller = servermetrics.SeriesPoller(cfg.root, series_interval_s, cfg.headers()).start() if scrape else None
+    try:
+        out = run(specs, cfg, arrival, **run_kw)
+    finally:
+        series = poller.stop() if poller is not None else {}
+    after = servermetrics.scrape(cfg.root, headers=cfg.headers()) if scrape else {}
     config = dict(config, arrival=arrival.describe())
-    return make_result(config, out, slo, label, servermetrics.delta(before, after))
+    return make_result(config, out, slo, label, servermetrics.delta(before, after), series or None)
 
 
 def arrival_for(over: str, value: float, seed: int) -> Arrival:
@@ -95,8 +101,10 @@ def sweep_table(sweep_result: dict, markdown: bool = True) -> str:
         "req/s",
         "out tok/s",
         "TTFT p50",
+        "TTFT p95",
         "TTFT p99",
         "TPOT p50",
+        "TPOT p95",
         "TPOT p99",
         "E2E p50",
         "goodput",
@@ -112,8 +120,10 @@ def sweep_table(sweep_result: dict, markdown: bool = True) -> str:
                 f"{a['req_s']:.2f}",
                 f"{a['output_tok_s']:.1f}",
                 f(a["ttft_ms"]["p50"]),
+                f(a["ttft_ms"].get("p95")),
                 f(a["ttft_ms"]["p99"]),
                 f(a["tpot_ms"]["p50"]),
+                f(a["tpot_ms"].get("p95")),
                 f(a["tpot_ms"]["p99"]),
                 f(a["e2e_ms"]["p50"]),
                 f"{100 * a['goodput']['share']:.0f}%",

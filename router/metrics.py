@@ -142,6 +142,24 @@ class Histogram:
     def to_dict(self) -> dict:
         return {"counts": list(self.counts), "sum": self.total}
 
+    def quantile(self, q: float, since: list[int] | None = None) -> float:
+        """The q-quantile of the observations (those after `since`, an earlier copy of `counts`),
+        interpolated linearly inside its bucket as Prometheus' histogram_quantile does; one in the
+        +Inf bucket reads as the largest bound; 0.0 with no observations."""
+        counts = self.counts if since is None else [c - s for c, s in zip(self.counts, since)]
+        total = sum(counts)
+        if total == 0:
+            return 0.0
+        rank, seen = q * total, 0
+        for i, c in enumerate(counts):
+            if c and seen + c >= rank:
+                if i == len(self.bounds):
+                    return self.bounds[-1]
+                lo = self.bounds[i - 1] if i else 0.0
+                return lo + (self.bounds[i] - lo) * (rank - seen) / c
+            seen += c
+        return self.bounds[-1]
+
     def merge(self, d: dict) -> None:
         for i, c in enumerate(d["counts"]):
             self.counts[i] += c

@@ -57,6 +57,14 @@ class Targets(BaseModel):
     ttft_slo_s: float | None = Field(
         None, gt=0, description="Time-to-first-token SLO, seconds (worst replica, recent requests). None = off."
     )
+    ttft_p95_s: float | None = Field(
+        None,
+        gt=0,
+        description="p95 time to first token to hold, seconds (worst replica, recent requests). None = off.",
+    )
+    itl_p95_s: float | None = Field(
+        None, gt=0, description="p95 inter-token latency to hold, seconds (worst replica, recent tokens). None = off."
+    )
     max_step: float = Field(
         2.0, ge=1, description="A latency/KV signal asks for at most this many times the current replicas at once."
     )
@@ -235,6 +243,8 @@ def serve_autoscaling_config(pool: PoolPolicy) -> AutoscalingConfig:
                     "target_kv_cache_usage": t.kv_cache_usage,
                     "target_queue_wait_s": t.queue_wait_s,
                     "ttft_slo_s": t.ttft_slo_s,
+                    "ttft_p95_slo_s": t.ttft_p95_s,
+                    "itl_p95_slo_s": t.itl_p95_s,
                     "max_step": t.max_step,
                 },
             ),

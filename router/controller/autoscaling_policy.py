@@ -14,6 +14,8 @@ Each configured target gives a replica count; the pool wants the largest:
   kv        n * mean KV cache usage / `target_kv_cache_usage`
   queue     n * worst replica's queue wait / `target_queue_wait_s`
   ttft      n * worst replica's recent time to first token / `ttft_slo_s`
+  ttft_p95  n * worst replica's recent p95 time to first token / `ttft_p95_slo_s`
+  itl_p95   n * worst replica's recent p95 inter-token latency / `itl_p95_slo_s`
 
 (n = running replicas). The latency signals go both ways: a pool well inside its SLO asks
 for fewer replicas, an idle one reports 0 and leaves the decision to the other signals. A
@@ -46,6 +48,8 @@ def desired_replicas(
     target_kv_cache_usage: float | None = None,
     target_queue_wait_s: float | None = None,
     ttft_slo_s: float | None = None,
+    ttft_p95_slo_s: float | None = None,
+    itl_p95_slo_s: float | None = None,
     max_step: float = 2.0,
 ) -> tuple[float, dict[str, float]]:
     """(replicas wanted, per-signal wishes). Pure: the policy class and the unit tests use it."""
@@ -61,10 +65,14 @@ def desired_replicas(
         qw = _values(metrics, "queue_wait_s")
         if qw:
             signals["queue"] = min(cap, n * max(qw) / target_queue_wait_s)
-    if ttft_slo_s:
-        tt = _values(metrics, "ttft_s")
-        if tt:
-            signals["ttft"] = min(cap, n * max(tt) / ttft_slo_s)
+    for signal, metric, target in (
+        ("ttft", "ttft_s", ttft_slo_s),
+        ("ttft_p95", "ttft_p95_s", ttft_p95_slo_s),
+        ("itl_p95", "itl_p95_s", itl_p95_slo_s),
+    ):
+        values = _values(metrics, metric) if target else []
+        if values:
+            signals[signal] = min(cap, n * max(values) / target)
     return max(signals.values()), signals
 
 
@@ -77,6 +85,8 @@ class OrbitalPolicy:
         target_kv_cache_usage: float | None = None,
         target_queue_wait_s: float | None = None,
         ttft_slo_s: float | None = None,
+        ttft_p95_slo_s: float | None = None,
+        itl_p95_slo_s: float | None = None,
         max_step: float = 2.0,
     ) -> None:
         if target_ongoing_requests <= 0:
@@ -86,6 +96,8 @@ class OrbitalPolicy:
             target_kv_cache_usage=target_kv_cache_usage,
             target_queue_wait_s=target_queue_wait_s,
             ttft_slo_s=ttft_slo_s,
+            ttft_p95_slo_s=ttft_p95_slo_s,
+            itl_p95_slo_s=itl_p95_slo_s,
             max_step=max_step,
         )
         self._last_log = 0.0

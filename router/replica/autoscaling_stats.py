@@ -13,8 +13,12 @@ mean of each figure over the look-back window, per replica. All figures are floa
                     queue time of requests first scheduled since the previous call;
   * `ttft_s`        mean time to first token of requests that got it since the previous
                     call, or the age of the oldest request still without one (so a stuck
-                    queue raises it before any first token arrives).
-Idle replicas report 0 for the latency figures.
+                    queue raises it before any first token arrives);
+  * `ttft_p95_s`    the 95th percentile of those times to first token (or that age);
+  * `itl_p95_s`     the 95th percentile of the inter-token latencies since the previous call.
+Idle replicas report 0 for the latency figures. The percentiles come from the histograms'
+bucket counts (interpolated inside a bucket); Serve's mean over the look-back window of these
+per-interval tails is what the policy compares with its p95 targets.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class AutoscalingStats:
     def __init__(self, histograms: dict[str, Histogram]) -> None:
         self.hist = histograms
         self._last: dict[str, tuple[int, float]] = {}  # histogram name -> (count, sum)
+        self._last_counts: dict[str, list[int]] = {}  # histogram name -> bucket counts
 
     def _recent_mean(self, name: str) -> float:
         h = self.hist[name]
@@ -41,6 +46,12 @@ class AutoscalingStats:
         if count > last_count:
             return (total - last_total) / (count - last_count)
         return 0.0
+
+    def _recent_p95(self, name: str) -> float:
+        h = self.hist[name]
+        since = self._last_counts.get(name)
+        self._last_counts[name] = list(h.counts)
+        return h.quantile(0.95, since)
 
     def snapshot(self, engine: EngineStats, in_flight: int) -> dict[str, float]:
         oldest = engine.oldest_unscheduled_arrival
@@ -52,4 +63,6 @@ class AutoscalingStats:
             "kv_cache_usage": float(engine.kv_usage),
             "queue_wait_s": max(self._recent_mean("request_queue_time_seconds"), unscheduled),
             "ttft_s": max(self._recent_mean("time_to_first_token_seconds"), unscheduled),
+            "ttft_p95_s": max(self._recent_p95("time_to_first_token_seconds"), unscheduled),
+            "itl_p95_s": self._recent_p95("inter_token_latency_seconds"),
         }

@@ -201,3 +201,63 @@ def test_policy_object():
     assert p(Ctx(0, 0.0, {}))[0] == 0
     with pytest.raises(ValueError):
         OrbitalPolicy(target_ongoing_requests=0)
+
+
+# --- tail-latency signals ----------------------------------------------------------------------
+
+
+def test_histogram_quantile_interpolates_inside_buckets():
+    from router.metrics import Histogram
+
+    h = Histogram((0.1, 0.2, 0.4))
+    for v in [0.05] * 90 + [0.3] * 10:
+        h.observe(v)
+    # 95 of 100: the 5th of the 10 in (0.2, 0.4] -> halfway through that bucket
+    assert h.quantile(0.95) == pytest.approx(0.3)
+    assert h.quantile(0.5) == pytest.approx(0.1 * 50 / 90)
+    since = list(h.counts)
+    assert h.quantile(0.95, since) == 0.0  # nothing new
+    for v in [1.0] * 20:  # past the last bound: reads as the largest bound
+        h.observe(v)
+    assert h.quantile(0.95, since) == 0.4
+    assert h.quantile(0.95) == 0.4 and 0.1 < h.quantile(0.8) < 0.4
+
+
+def test_replica_reports_recent_p95_not_the_mean():
+    from engine.stats import EngineStats
+    from router.metrics import new_histograms
+    from router.replica.autoscaling_stats import AutoscalingStats
+
+    hist = new_histograms()
+    stats = AutoscalingStats(hist)
+    idle = EngineStats()
+    assert stats.snapshot(idle, 0)["ttft_p95_s"] == 0.0
+    for v in [0.05] * 93 + [2.5] * 7:  # a slow tail: the mean stays low, the p95 does not
+        hist["time_to_first_token_seconds"].observe(v)
+    for v in [0.02] * 90 + [0.4] * 10:
+        hist["inter_token_latency_seconds"].observe(v)
+    s = stats.snapshot(idle, 0)
+    assert s["ttft_s"] < 0.25 and s["ttft_p95_s"] > 1.0
+    assert s["itl_p95_s"] > 0.1
+    # the next interval sees only what came after: nothing, so 0
+    s = stats.snapshot(idle, 0)
+    assert s["ttft_p95_s"] == 0.0 and s["itl_p95_s"] == 0.0
+
+
+def test_p95_targets_scale_the_pool():
+    kw = dict(target_ongoing_requests=100, ttft_p95_slo_s=1.0, itl_p95_slo_s=0.1)
+    want, s = desired_replicas(2, 0, M(in_flight=[1, 1], ttft_p95_s=[0.5, 1.5], itl_p95_s=[0.05, 0.12]), **kw)
+    assert s["ttft_p95"] == pytest.approx(3.0) and s["itl_p95"] == pytest.approx(2.4) and want == pytest.approx(3.0)
+    # the mean-TTFT signal stays off when only the p95 is targeted
+    assert "ttft" not in s
+    want, s = desired_replicas(4, 0, M(ttft_p95_s=[0.1] * 4, itl_p95_s=[0.01] * 4), **kw)
+    assert want == pytest.approx(0.4)  # well inside both targets: the pool may shrink
+
+
+def test_p95_targets_from_the_policy_file():
+    cfg = load_autoscaling({"pools": {"engine": {"targets": {"ttft_p95_s": 2.0, "itl_p95_s": 0.15}}}})
+    kwargs = serve_autoscaling_config(cfg.pools["engine"]).policy.policy_kwargs
+    assert kwargs["ttft_p95_slo_s"] == 2.0 and kwargs["itl_p95_slo_s"] == 0.15
+    p = OrbitalPolicy(**kwargs)
+    want, state = p(Ctx(1, 0.0, M(ttft_p95_s=[4.0], itl_p95_s=[0.1])))
+    assert want == 2.0 and state["orbital_signals"]["ttft_p95"] == 2.0

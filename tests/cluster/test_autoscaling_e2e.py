@@ -2,9 +2,10 @@
 idleness brings it back to min_replicas, and streams running on the replica that is removed all
 finish with their full output (Serve's graceful shutdown drains it).
 
-The policy here scales on a signal only the replicas' own stats carry (`queue_wait_s`, from
-`record_autoscaling_stats`): `ongoing_requests_per_replica` is set out of reach, so a scale-up
-proves the chain replica stats -> controller -> OrbitalPolicy -> Serve.
+The policy here scales on a tail-latency signal only the replicas' own stats carry (`ttft_p95_s`,
+the p95 time to first token from `record_autoscaling_stats`): `ongoing_requests_per_replica` is
+set out of reach, so a scale-up proves the chain replica stats -> controller -> OrbitalPolicy ->
+Serve, and the scale-down that the p95 falls back once the queue is gone.
 
 Measured figures are printed and written as JSON to $ORBITAL_SCALING_REPORT when set
 (cluster/README.md quotes them).
@@ -33,7 +34,7 @@ POLICY = {
             "min_replicas": 1,
             "max_replicas": 2,
             "initial_replicas": 1,
-            "targets": {"ongoing_requests_per_replica": 1000, "queue_wait_s": 1.0},
+            "targets": {"ongoing_requests_per_replica": 1000, "ttft_p95_s": 1.0},
             "upscale_delay_s": UPSCALE_DELAY_S,
             "downscale_delay_s": DOWNSCALE_DELAY_S,
             "look_back_period_s": 3.0,

@@ -27,7 +27,7 @@ ITL_S = 0.01
 
 def make_app(ttft: float = TTFT_S, itl: float = ITL_S) -> FastAPI:
     app = FastAPI()
-    counters = {"requests": 0}
+    counters = {"requests": 0, "in_flight": 0}
 
     @app.get("/health")
     async def health():
@@ -43,6 +43,8 @@ def make_app(ttft: float = TTFT_S, itl: float = ITL_S) -> FastAPI:
         return PlainTextResponse(
             f"# TYPE fake:prefix_cache_hits_total counter\nfake:prefix_cache_hits_total {10 * n}\n"
             f"fake:prefix_cache_queries_total {40 * n}\n"
+            f"fake:num_requests_running {counters['in_flight']}\nfake:num_requests_waiting 0\n"
+            f"fake:kv_cache_usage_perc 0.5\nfake:num_preemptions_total {n // 2}\n"
         )
 
     async def handle(request: Request, chat: bool):
@@ -71,6 +73,14 @@ def make_app(ttft: float = TTFT_S, itl: float = ITL_S) -> FastAPI:
             )
 
         async def stream():
+            counters["in_flight"] += 1
+            try:
+                async for part in _stream():
+                    yield part
+            finally:
+                counters["in_flight"] -= 1
+
+        async def _stream():
             if chat:
                 yield chunk(None)
             await asyncio.sleep(2.0 if mode == "slow" else ttft)

@@ -77,8 +77,14 @@ def test_run_writes_result_and_plots_then_compare(fake_server, tmp_path, capsys)
     assert res["config"]["arrival"] == {"pattern": "closed", "concurrency": 2}
     assert len(res["requests"]) == 4 and res["requests"][0]["tpot"] > 0
     assert res["server_metrics"]["prefix_cache_hit_rate"] == 0.25  # from the fake /metrics
+    series = res["server_series"]  # scraped during the run: the fake's gauges, one sample a second
+    assert len(series["t"]) >= 1 and series["kv_cache_usage"][0] == 0.5
+    assert all(v is not None and 0 <= v <= 2 for v in series["num_running"])  # concurrency 2
+    assert "p95" in res["aggregates"]["ttft_ms"] and res["aggregates"]["request_tok_s"]["count"] == 4
+    assert "running batch" in text and "p95" in text
     assert _strict_json(out2)["config"]["arrival"]["rate"] == "inf"
     assert _png(tmp_path / "p" / "latency_cdf.png") and _png(tmp_path / "p" / "throughput.png")
+    assert _png(tmp_path / "p" / "server.png")
 
     assert (
         cli.main(

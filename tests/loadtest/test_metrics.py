@@ -1,5 +1,6 @@
 """Metric arithmetic on hand-made timelines."""
 
+import numpy as np
 import pytest
 
 from loadtest.metrics import SLO, aggregate, stats_ms, throughput_series
@@ -90,3 +91,37 @@ def test_throughput_series_sums_to_output_tokens():
     t, tps = throughput_series(records, bin_s=0.5)
     assert tps.sum() * 0.5 == pytest.approx(7.0)
     assert t[0] == 0.0 and len(t) == len(tps)
+
+
+def test_p95_and_per_request_rate_in_aggregates():
+    recs = [
+        RequestRecord(
+            id=f"r{i}", success=True, prompt_tokens=10, output_tokens=10, ttft=0.01 * (i + 1), latency=0.1 * (i + 1)
+        )
+        for i in range(20)
+    ]
+    a = aggregate(recs, duration_s=2.0)
+    assert a["ttft_ms"]["p95"] == pytest.approx(np.percentile([10.0 * (i + 1) for i in range(20)], 95))
+    assert a["e2e_ms"]["p90"] < a["e2e_ms"]["p95"] < a["e2e_ms"]["p99"]
+    rates = [10 / (0.1 * (i + 1)) for i in range(20)]
+    assert a["request_tok_s"]["p50"] == pytest.approx(np.percentile(rates, 50))
+    assert a["request_tok_s"]["max"] == pytest.approx(100.0)
+
+
+def test_server_series_from_orbitals_own_metrics_page():
+    """The poller reads the names the router exports (router/metrics.py), not a guess at them."""
+    from loadtest.servermetrics import parse_series, to_series
+    from router.metrics import render
+    from tests.router.test_units import _replica
+
+    page = lambda **kw: render("m", [_replica(**kw), _replica()], {}).decode()  # noqa: E731
+    s1 = parse_series(page())
+    assert s1["num_running"] == 4 and s1["num_waiting"] == 2 and s1["kv_cache_usage"] == pytest.approx(0.1)
+    assert s1["preemptions"] == 2 and s1["prefix_queries"] == 128 and s1["prefix_hits"] == 32
+    s2 = parse_series(page(num_running=6, num_preemptions=4, prefix_cache_queries=164, prefix_cache_hits=52))
+    series = to_series([(0.0, s1), (1.0, {}), (2.0, s2)], 1.0)
+    assert series["t"] == [0.0, 1.0, 2.0]
+    assert series["num_running"] == [4, None, 8]  # a failed scrape is a gap, not a zero
+    assert series["preemptions"] == [0, None, 3]
+    assert series["prefix_hit_rate"] == [None, None, pytest.approx(36 / 100)]  # this interval: 36 of 100 hit
+    assert to_series([(0.0, {}), (1.0, {})], 1.0) == {}  # a server without these series
