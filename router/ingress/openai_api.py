@@ -9,6 +9,7 @@ name the client asked for when that is not the pool's own (an alias: `router/ing
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -33,6 +34,17 @@ from router.ingress.streams import collect, merge
 from router.ingress.tool_parsers import ContentStream
 
 MAX_PROMPTS = 64  # prompts in one completions request (each is a request to the engine)
+
+
+# Serve's logger: its lines land in the ingress replica's log file, beside Serve's own.
+serve_log = logging.getLogger("ray.serve")
+
+
+def _log_user(rid: str, user: str | None) -> None:
+    """OpenAI's `user`: the end user a request is made for, so that operators can find a user's
+    requests when they look into abuse. Logged with the request id (repr: no line breaks)."""
+    if user:
+        serve_log.info("request %s is for user %r", rid, user)
 
 
 def _usage(prompt_tokens: int, outs: list[RequestOutput], cached: bool = True) -> dict:
@@ -111,6 +123,7 @@ class OpenAIServing:
         params = self._watermarked(req, sampling_params(req, req.max_tokens, req.logprobs, prompt_lp))
         prompts = await self._prompts(req.prompt, params)
         rid, arrival = new_request_id("cmpl"), time.time()
+        _log_user(rid, req.user)
         streams = [
             self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
             for i, (text, ids) in enumerate(prompts)
@@ -261,6 +274,7 @@ class OpenAIServing:
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             text, ids = None, self.client.inputs.truncate(ids, params)
         rid, arrival = new_request_id("chatcmpl"), time.time()
+        _log_user(rid, req.user)
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
             return self._stream_chat(req, rid, name, len(ids), stream, tools)

@@ -78,7 +78,9 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="Token id (as a string) -> bias added to its logit, in [-100, 100]."
     )
-    user: str | None = None
+    user: str | None = Field(
+        None, max_length=256, description="The end user: logged with the request id (Serve's log) for abuse reviews."
+    )
     priority: int = Field(0, description="Extension: lower runs first under the priority policy.")
     cache_salt: str | None = Field(
         None,
