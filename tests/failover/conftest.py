@@ -21,8 +21,13 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="package")
-def failover_cluster():
-    with serve_app(APP, **{**BASE, "kv_cache_memory_bytes": 32 << 20}, num_replicas=4, drain_timeout_s=3.0) as cluster:
+def failover_cluster(tmp_path_factory):
+    # A watermark key: the seeded stream is watermarked (streams.py), so a moved watermarked
+    # request must also resume with exactly its uninterrupted tokens.
+    key = tmp_path_factory.mktemp("wm") / "key"
+    key.write_text("8675309\n")
+    config = {**BASE, "kv_cache_memory_bytes": 32 << 20, "watermark_key_file": str(key)}
+    with serve_app(APP, **config, num_replicas=4, drain_timeout_s=3.0) as cluster:
         yield cluster
 
 

@@ -1,5 +1,6 @@
-"""The requests the failover tests send, through the `openai` client: greedy and seeded, streamed
-and not, `ignore_eos` so each runs its whole token budget."""
+"""The requests the failover tests send, through the `openai` client: greedy and seeded (the
+seeded stream watermarked too), streamed and not, `ignore_eos` so each runs its whole token
+budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tests.failover.conftest import MAX_TOKENS
 
 SPECS = [
     {"name": "greedy-stream", "temperature": 0.0, "stream": True},
-    {"name": "seeded-stream", "temperature": 1.0, "top_p": 0.95, "seed": 17, "stream": True},
+    {"name": "seeded-stream", "temperature": 1.0, "top_p": 0.95, "seed": 17, "stream": True, "watermark": True},
     {"name": "greedy", "temperature": 0.0, "stream": False},
     {"name": "seeded", "temperature": 0.9, "seed": 23, "stream": False},
 ]
@@ -31,7 +32,7 @@ async def complete(c, prompt: str, spec: dict, on_chunk: OnChunk | None = None) 
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "temperature": spec["temperature"],
-        "extra_body": {"ignore_eos": True},
+        "extra_body": {"ignore_eos": True, **({"watermark": True} if spec.get("watermark") else {})},
     }
     for k in ("seed", "top_p"):
         if k in spec:

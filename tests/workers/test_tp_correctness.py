@@ -4,6 +4,7 @@ prefill on; shards are 1/tp on every rank, the driver's rank 0 included."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from engine import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.model.loader import parameter_bytes
+from engine.watermark import Watermark
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
@@ -82,6 +84,13 @@ def test_tiny_tp2_matches_tp1_and_transformers(ray_local, tiny_llama_dir, tiny_r
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         pa, pb = ([lp.logprob for lp in o.prompt_logprobs[1:]] for o in (a, b))
         assert len(pb) == len(PROMPTS[4]) - 1 and max(abs(x - y) for x, y in zip(pa, pb)) < 1e-4
+        # The watermark's green lists come from the previous token alone: tp=2 samples the same.
+        wm = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, watermark=Watermark(key=99))
+        a, b = (x.generate({"prompt_token_ids": PROMPTS[1]}, wm, use_tqdm=False)[0] for x in (tiny_tp1, llm))
+        plain = tiny_tp1.generate(
+            {"prompt_token_ids": PROMPTS[1]}, dataclasses.replace(wm, watermark=None), use_tqdm=False
+        )
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids != plain[0].outputs[0].token_ids
 
         # Shards: parameters ~1/tp per rank, KV cache holds kv_heads/tp heads per rank.
         info = ex.worker_info()
