@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from engine import choices
+from engine.engine_args import EngineArgs
 from engine.layers.quant.spec import METHODS
 
 if TYPE_CHECKING:
@@ -29,28 +31,33 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=EngineArgs.dtype, choices=list(choices.DTYPES))
     p.add_argument(
         "--quantization",
-        default=None,
+        default=EngineArgs.quantization,
         choices=list(METHODS),
         help="weight-only: int8, int4[:g32|g64|g128] quantized at load, or gguf (a GGUF's own Q8_0/Q4_0/Q4_1 blocks)",
     )
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"], help="KV cache storage")
-    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=EngineArgs.kv_cache_dtype,
+        choices=list(choices.KV_CACHE_DTYPES),
+        help="KV cache storage",
+    )
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=EngineArgs.tensor_parallel_size)
+    p.add_argument("--device", default=EngineArgs.device, help="cpu or cuda")
     p.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
-        default=None,
+        default=EngineArgs.kv_cache_memory_bytes,
         help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
     )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--threads", type=int, default=EngineArgs.num_threads, help="torch threads (default: all cores)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     held = p.add_mutually_exclusive_group()  # structured outputs (engine/structured/)
     held.add_argument("--json-schema", default=None, help="the output matches this JSON schema (text or @file)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.choices import SCHEDULING_POLICIES
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
 from engine.layers.attention.kv_quant import check_kv_cache_dtype
@@ -47,7 +48,7 @@ class SchedulerConfig:
             raise InvalidRequestError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError("max_num_batched_tokens must be >= 1")
-        if self.policy not in ("fcfs", "priority"):
+        if self.policy not in SCHEDULING_POLICIES:
             raise InvalidRequestError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 

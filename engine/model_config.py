@@ -8,18 +8,12 @@ from pathlib import Path
 
 import torch
 
+from engine.choices import DTYPES
 from engine.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # choices.DTYPES
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -51,7 +45,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, quantization: 
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:
-        raise InvalidRequestError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        raise InvalidRequestError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if _DTYPES[dtype] == torch.bfloat16 and device.type == "cpu" and not cpu_has_fast_bf16() and not bf16_op_runs():
         log.warning(
             "dtype=bfloat16 on a CPU without AVX512-BF16 or AMX, with the few-row op off or not built "

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from engine import choices
 from engine.layers.quant.spec import METHODS
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve without a key on a non-loopback --host (refused otherwise)",
     )
-    s.add_argument("--dtype", default=_d("dtype"), choices=["auto", "float32", "bfloat16", "float16"])
+    s.add_argument("--dtype", default=_d("dtype"), choices=list(choices.DTYPES))
     s.add_argument(
         "--quantization",
         default=_d("quantization"),
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--kv-cache-dtype",
         default=_d("kv_cache_dtype"),
-        choices=["auto", "int8", "fp8_e4m3"],
+        choices=list(choices.KV_CACHE_DTYPES),
         help="KV cache storage: the model's dtype, or int8/fp8_e4m3 (GPU) with per-token scales (~2x the tokens of bf16)",
     )
     s.add_argument("--device", default=_d("device"))
@@ -145,7 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
     s.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"))
     s.add_argument(
-        "--scheduling-policy", choices=["fcfs", "priority"], default=_d("scheduling_policy"), help="request order"
+        "--scheduling-policy",
+        choices=list(choices.SCHEDULING_POLICIES),
+        default=_d("scheduling_policy"),
+        help="request order",
     )
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument(

@@ -16,6 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine import choices
 from engine.engine_args import EngineArgs as _E
 from engine.watermark import Watermark
 
@@ -32,7 +33,7 @@ class ModelPool(BaseModel):
 
     name: str = Field(min_length=1, description="The served name: what clients pass as `model`.")
     model: str | None = Field(None, description="Local HF directory or .gguf file; `default` = embedded.")
-    dtype: str | None = None
+    dtype: str | None = None  # checked as AppConfig.dtype when the pool is merged (pool_configs)
     tensor_parallel_size: int | None = None
     num_replicas: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -59,13 +60,13 @@ class AppConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="Name clients pass as `model` (default: from the path; with `models`: each pool's name)."
     )
-    dtype: str = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
-    quantization: Literal["int8", "int4", "int4:g32", "int4:g64", "int4:g128", "gguf"] | None = Field(
+    dtype: Literal[choices.DTYPES] = Field(_E.dtype, description="auto | float32 | bfloat16 | float16.")
+    quantization: Literal[choices.QUANTIZATION_METHODS] | None = Field(
         _E.quantization,
         description="Weight-only quantization: int8 (per output channel) or int4 (group-wise, :gN the group "
         "size) quantized at load; gguf: a GGUF model's own Q8_0/Q4_0/Q4_1 blocks as they are; None: float.",
     )
-    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = Field(
+    kv_cache_dtype: Literal[choices.KV_CACHE_DTYPES] = Field(
         _E.kv_cache_dtype,
         description="KV cache storage: auto (the model's dtype), int8 (per-token, per-head scales; about 1.9x "
         "the tokens of bfloat16, 3.9x of float32, in the same memory) or fp8_e4m3 (the same, as fp8; GPUs with "
@@ -88,7 +89,7 @@ class AppConfig(BaseModel):
     max_model_len: int | None = Field(_E.max_model_len, description="Context length (default: the model's).")
     max_num_seqs: int = Field(_E.max_num_seqs, ge=1, description="Sequences per engine step.")
     max_num_batched_tokens: int = Field(_E.max_num_batched_tokens, ge=1, description="Tokens per engine step.")
-    scheduling_policy: Literal["fcfs", "priority"] = Field(
+    scheduling_policy: Literal[choices.SCHEDULING_POLICIES] = Field(
         _E.scheduling_policy,
         description="fcfs: arrival order; priority: a request's `priority` (lower first) orders the queue and "
         "picks whom to preempt.",
@@ -279,13 +280,6 @@ class AppConfig(BaseModel):
         "deploy/autoscaling.yaml, or the same mapping inline; replaces "
         "num_replicas. None = a fixed num_replicas.",
     )
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        if v not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError("dtype must be auto, float32, bfloat16 or float16")
-        return v
 
     @field_validator("speculative")
     @classmethod

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.choices import SPECULATIVE_METHODS as METHODS
 from engine.errors import InvalidRequestError
 
 # ngram: prompt lookup; draft: a smaller local model sharing the tokenizer; self: the target's
 # own weights as a cheaper draft (its first `draft_layers` layers, or its weights in int8).
-METHODS = ("ngram", "draft", "self")
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.choices import KV_CACHE_DTYPES
 from engine.errors import InvalidRequestError
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 SCALE_BYTES = 2
 _FP16_MAX = 65504.0
 _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}

@@ -1,0 +1,127 @@
+"""One vocabulary per setting: the allowed values of every enumerated setting live in
+`engine/choices.py` and every default in `EngineArgs`; `AppConfig`, both CLIs and the engine's own
+checks agree with them, and no source file spells one of these lists out again."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import pathlib
+import typing
+
+import pytest
+
+from engine import choices
+from engine.engine_args import EngineArgs
+from router.config import AppConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# setting -> (its vocabulary, AppConfig's field, the flag in both CLIs or None)
+SETTINGS = {
+    "dtype": (choices.DTYPES, "dtype", "--dtype"),
+    "kv_cache_dtype": (choices.KV_CACHE_DTYPES, "kv_cache_dtype", "--kv-cache-dtype"),
+    "quantization": (choices.QUANTIZATION_METHODS, "quantization", "--quantization"),
+    "scheduling_policy": (choices.SCHEDULING_POLICIES, "scheduling_policy", None),
+}
+
+
+def _literal_values(annotation) -> set:
+    values = set()
+    for arg in typing.get_args(annotation) or ():
+        values |= _literal_values(arg) if typing.get_args(arg) else {arg}
+    if typing.get_origin(annotation) is typing.Literal:
+        values = set(typing.get_args(annotation))
+    return values - {type(None)}
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option of a parser and of its subcommands, by flag."""
+    seen: dict[str, argparse.Action] = {}
+    for act in parser._actions:
+        for flag in act.option_strings:
+            seen.setdefault(flag, act)
+        if isinstance(act, argparse._SubParsersAction):
+            for sub in act.choices.values():
+                for flag, inner in _flags(sub).items():
+                    seen.setdefault(flag, inner)
+    return seen
+
+
+def _engine_cli_parser() -> argparse.ArgumentParser:
+    """engine/cli.py's parser, caught as parse_args builds it (not run)."""
+    from engine import cli
+
+    caught = []
+    real = argparse.ArgumentParser.parse_args
+
+    def catch(self, *a, **k):
+        caught.append(self)
+        raise SystemExit(0)
+
+    argparse.ArgumentParser.parse_args = catch
+    try:
+        cli.parse_args([])
+    except SystemExit:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_args = real
+    return caught[0]
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_appconfig_takes_exactly_the_engine_s_values_and_default(setting):
+    vocab, field, _ = SETTINGS[setting]
+    info = AppConfig.model_fields[field]
+    assert _literal_values(info.annotation) == set(vocab), setting
+    assert info.default == getattr(EngineArgs, setting)
+
+
+def test_both_clis_offer_the_vocabulary_and_the_defaults():
+    from router.cli import build_parser
+
+    engine_flags, router_flags = _flags(_engine_cli_parser()), _flags(build_parser())
+    for setting, (vocab, _, flag) in SETTINGS.items():
+        if flag is None:
+            continue
+        for name, flags in (("engine", engine_flags), ("router", router_flags)):
+            assert flag in flags, (name, flag)
+            assert set(flags[flag].choices) == set(vocab), (name, flag)
+    for flag, field in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")):
+        assert engine_flags[flag].default == getattr(EngineArgs, field), flag
+    assert router_flags["--scheduling-policy"].choices == list(choices.SCHEDULING_POLICIES)
+
+
+def test_no_second_spelling_of_a_vocabulary():
+    """A literal tuple/list/set equal to one of the vocabularies, anywhere in the product code
+    but engine/choices.py, is a second definition (it would drift)."""
+    vocabularies = {frozenset(v) for v, _, _ in SETTINGS.values()} | {frozenset(choices.SPECULATIVE_METHODS)}
+    found = []
+    for package in ("engine", "router", "workers", "loadtest"):
+        for path in (ROOT / package).rglob("*.py"):
+            if path.name == "choices.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2:
+                    consts = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+                    if len(consts) == len(node.elts) and frozenset(consts) in vocabularies:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+
+
+def test_the_engine_refuses_what_the_vocabulary_leaves_out():
+    import torch
+
+    from engine.errors import InvalidRequestError
+    from engine.layers.attention.kv_quant import check_kv_cache_dtype
+    from engine.layers.quant.spec import parse_quantization
+    from engine.model_config import resolve_dtype
+
+    for bad in ("bf16", "fp32", "half"):
+        with pytest.raises(InvalidRequestError):
+            resolve_dtype(bad, torch.device("cpu"))
+    for good in choices.DTYPES[1:]:
+        assert resolve_dtype(good, torch.device("cpu")) == getattr(torch, good)
+    with pytest.raises(InvalidRequestError):
+        check_kv_cache_dtype("fp8")
+    with pytest.raises(InvalidRequestError):
+        parse_quantization("int3")
