@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
+from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFailed, LoadKV
 from engine.input_processor import PromptInput
 from engine.kv_transfer.blocks import KVBlocks
 from engine.kv_transfer.remote_prefill import KVLoadRequest
@@ -57,7 +58,7 @@ class AsyncEngine:
     ) -> None:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._inbox: list[tuple] = []  # ("add_tokens", reqs) | ("abort", ..) | ("finish", ids) | ("load_kv", ..)
+        self._inbox: list[InboxMessage] = []  # engine/inbox.py
         # Decode side of disaggregated serving: called on the step thread with the remote
         # prefills the scheduler asked for (set by the serving layer, which performs them).
         self.on_kv_loads: Callable[[list[KVLoadRequest]], None] | None = None
@@ -103,7 +104,7 @@ class AsyncEngine:
         reqs = await self._make_requests(rid, ids, params, priority)
         children = [r.request_id for r in reqs]
         stream = self._open(rid, children)
-        self._submit(("add_text", rid, text, ids, params, reqs))
+        self._submit(AddText(rid, text, ids, params, reqs))
         async for item in self._drain(rid, stream, children):
             yield item
 
@@ -130,7 +131,7 @@ class AsyncEngine:
         with self._lock:
             for c in children:
                 self._token_parent[c] = request_id
-        self._submit(("add_tokens", reqs))
+        self._submit(AddTokens(reqs))
         async for item in self._drain(request_id, stream, children):
             yield item
 
@@ -144,21 +145,21 @@ class AsyncEngine:
 
     def load_kv(self, child_id: str, blocks: KVBlocks) -> None:
         """A remote prefill's KV for a sequence waiting for it (decode side)."""
-        self._submit(("load_kv", child_id, blocks))
+        self._submit(LoadKV(child_id, blocks))
 
     def kv_load_failed(self, child_id: str, error: str | None = None) -> None:
         """A remote prefill failed: recompute it here (`error` None) or fail the sequence."""
-        self._submit(("kv_failed", child_id, error))
+        self._submit(KVFailed(child_id, error))
 
     def finish(self, child_ids: list[str]) -> None:
         """The text side matched a stop string: end these sequences and free their KV."""
-        self._submit(("finish", list(child_ids)))
+        self._submit(Finish(list(child_ids)))
 
     def abort(self, request_id: str) -> None:
         # Token-mode children are looked up now: the stream's cleanup forgets them right after.
         with self._lock:
             token_children = [c for c, p in self._token_parent.items() if p == request_id]
-        self._submit(("abort", request_id, token_children))
+        self._submit(Abort(request_id, token_children))
 
     def stats(self) -> dict:
         """The latest snapshot as a dict, plus the loop's own figures."""
@@ -211,7 +212,7 @@ class AsyncEngine:
             self._streams[rid] = stream
         return stream
 
-    def _submit(self, msg: tuple) -> None:
+    def _submit(self, msg: InboxMessage) -> None:
         with self._lock:
             self._inbox.append(msg)
             self._wake.notify()
@@ -290,31 +291,31 @@ class AsyncEngine:
     def _has_work(self) -> bool:
         return self.engine.core.has_work() or self.engine.step_in_flight
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _handle(self, msg: InboxMessage) -> None:
         eng = self.engine
-        if kind == "add_text":
-            _, rid, text, ids, params, reqs = msg
-            eng.add_prepared(rid, text, ids, params, reqs)
-        elif kind == "add_tokens":
-            for r in msg[1]:
-                eng.core.add_request(r)
-        elif kind == "finish":
-            eng.core.finish_requests(msg[1], RequestStatus.FINISHED_STOPPED)
-        elif kind == "load_kv":
-            try:
-                eng.core.load_kv(msg[1], msg[2])
-            except InvalidRequestError as e:  # the payload does not fit: recompute here
-                log.warning("remote KV for %s refused (%s): recomputing it here", msg[1], e)
-                eng.core.kv_load_failed(msg[1])
-        elif kind == "kv_failed":
-            eng.core.kv_load_failed(msg[1], msg[2])
-        elif kind == "abort":
-            _, rid, token_children = msg
-            if token_children:
-                eng.core.abort_requests(token_children)
-            else:
-                eng.abort_request(rid)
+        match msg:
+            case AddText():
+                eng.add_prepared(msg.request_id, msg.prompt_text, msg.prompt_ids, msg.params, msg.requests)
+            case AddTokens():
+                for r in msg.requests:
+                    eng.core.add_request(r)
+            case Finish():
+                eng.core.finish_requests(msg.child_ids, RequestStatus.FINISHED_STOPPED)
+            case LoadKV():
+                try:
+                    eng.core.load_kv(msg.child_id, msg.blocks)
+                except InvalidRequestError as e:  # the payload does not fit: recompute here
+                    log.warning("remote KV for %s refused (%s): recomputing it here", msg.child_id, e)
+                    eng.core.kv_load_failed(msg.child_id)
+            case KVFailed():
+                eng.core.kv_load_failed(msg.child_id, msg.error)
+            case Abort():
+                if msg.token_children:
+                    eng.core.abort_requests(msg.token_children)
+                else:
+                    eng.abort_request(msg.request_id)
+            case _:
+                raise TypeError(f"unknown inbox message {msg!r}")
 
     def _hand_out_kv_loads(self) -> None:
         loads = self.engine.core.take_kv_loads()
