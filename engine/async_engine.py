@@ -16,12 +16,13 @@ import threading
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
+from engine.core.kv_events import KVEventLog
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from engine.executor import ExecutorFactory, in_process_executor
 from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFailed, LoadKV
 from engine.input_processor import PromptInput
-from engine.kv_transfer.blocks import KVBlocks
+from engine.kv_transfer.blocks import KVBlocks, KVLayout
 from engine.kv_transfer.remote_prefill import KVLoadRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCoreOutput, RequestOutput
@@ -142,6 +143,16 @@ class AsyncEngine:
         if params.structured_output is None:
             return make(request_id, ids, params, *rest)
         return await asyncio.to_thread(make, request_id, ids, params, *rest)
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """The prefix-cache hashes this engine holds, as events (cache-aware routing's feed)."""
+        return self.engine.core.kv_events
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV cache's layout over all ranks (what a KV hand-off must match)."""
+        return self.engine.core.kv_layout
 
     def load_kv(self, child_id: str, blocks: KVBlocks) -> None:
         """A remote prefill's KV for a sequence waiting for it (decode side)."""

@@ -116,7 +116,7 @@ class EngineReplica:
         self._jobs: dict[str, _Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
-        self.kv_feed = KVFeed(self.engine.engine.core.kv_events, self._outboxes.values)
+        self.kv_feed = KVFeed(self.engine.kv_events, self._outboxes.values)
         self.remote_prefills = (
             RemotePrefills(self.engine, prefill, self.hist, kv_transfer_failure, kv_transfer_timeout_s)
             if prefill is not None

@@ -49,7 +49,7 @@ class RemotePrefills:
             raise InvalidRequestError(f"kv_transfer_failure must be one of {FAILURE_POLICIES}, got {policy!r}")
         self.engine, self.prefill, self.hist = engine, prefill, hist
         self.policy, self.timeout_s = policy, timeout_s
-        self.layout = engine.engine.core.kv_layout
+        self.layout = engine.kv_layout
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the replica's first request
         self.tasks: dict[str, asyncio.Task] = {}  # sequence id -> its load
         self.counters = {k: 0 for k in KV_TRANSFER_COUNTERS if k.startswith("kv_transfer")}
@@ -112,7 +112,7 @@ async def prefill_kv(engine: AsyncEngine, msg: PrefillKV, replica_id: str) -> Pr
     """Prefill replica: compute `msg.prompt_token_ids` (its own prefix cache may hold some of
     them), read out their KV from `msg.first_block` on, and put it in the object store."""
     t0 = time.monotonic()
-    engine.engine.core.kv_layout.check_matches(msg.layout)
+    engine.kv_layout.check_matches(msg.layout)
     rid = f"{msg.request_id}@prefill-{uuid.uuid4().hex[:8]}"
     blocks = None
     # One greedy token, discarded: the decode replica samples the first token itself.
