@@ -26,7 +26,7 @@ $(KLOWER): $(STAMP) engine/kernels/cpu_ops.py $(wildcard engine/kernels/cpu/*)
 	$(PY) -m engine.kernels.cpu_ops --lower
 	touch $(KLOWER)
 
-.PHONY: venv run test test-fast lint bench
+.PHONY: venv run test test-fast lint docs bench
 venv: $(STAMP) $(KSTAMP)
 
 # Serve the embedded model (OpenAI + TGI HTTP) on http://127.0.0.1:8000 until Ctrl-C.
@@ -40,6 +40,16 @@ test: $(STAMP) $(KSTAMP) $(KLOWER)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: any warning, a dead link
+# included, fails the build. CI runs it.
+DSTAMP := .venv/.orbital-docs-installed
+$(DSTAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DSTAMP)
+
+docs: $(DSTAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
 
 test-fast: $(STAMP) $(KSTAMP)
 	$(PY) -m pytest -q -m "not slow" tests

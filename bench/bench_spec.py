@@ -7,7 +7,7 @@ forced to --mixed-output tokens with ignore_eos, greedy). Both modes produce the
 so tokens/s compares like with like. Reports output tokens/s, TPOT p50 (per request:
 (finish - first token) / (tokens - 1)), acceptance rate, mean accepted length, ratio vs off.
 
-    python -m bench.bench_spec                       # the README table
+    python -m bench.bench_spec                       # the table in docs/speculative-decoding.md
     python -m bench.bench_spec --concurrency 1 4 --spec ngram:3
     python -m bench.bench_spec --spec ngram:4 'self:4:{"draft_quantization": "int8"}' \
         'self:4:{"draft_layers": 10}' draft:4:target

@@ -5,7 +5,7 @@
 
 Without ``--server-cmd`` it measures a server already listening at ``--base-url``. Writes
 ``<out-dir>/sweep.json``, one result file per point, ``sweep.png`` (TTFT/TPOT/throughput vs
-concurrency), ``latency_cdf.png`` and ``table.md`` (the README table).
+concurrency), ``latency_cdf.png`` and ``table.md`` (the table in docs/benchmarks.md).
 """
 
 from __future__ import annotations

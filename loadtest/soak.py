@@ -66,7 +66,7 @@ async def killer(every_s: float, until: float, rng: random.Random, log: list) ->
         log.append({"t": time.time(), "killed_pid": pid})
 
 
-# Requests that once took an engine replica down or answered 500 (README, Reliability).
+# Requests that once took an engine replica down or answered 500 (docs/reliability.md).
 POISON = [
     {"prompt": "hi", "max_tokens": 4, "top_k": 2**63, "temperature": 1},
     {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [2**64], "min_tokens": 1},

@@ -22,7 +22,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft: a local HF directory or .gguf file (never downloaded)
     draft_layers: int | None = None  # self: the target's first N layers + its final norm and LM head
     # self/draft: the draft's weights quantized. "self" without draft_layers defaults to "int8"
-    # (measured: the first layers alone rarely agree with the whole model; README).
+    # (measured: the first layers alone rarely agree with the whole model; docs/speculative-decoding.md).
     draft_quantization: str | None = None
     draft_num_blocks: int | None = None  # the draft's own KV pool (None: as many blocks as the target's)
 

@@ -1,6 +1,6 @@
 """Which kernels run quantized weights on CUDA: the Triton GEMMs (triton_weight_gemm.py), where
 the triton package imports, or PyTorch's own (tinygemm's int4 pack, an int8 weight widened per
-call). Defaults, from the H200 measurements in the README: int8 through Triton (0.9-1.0x bf16's
+call). Defaults, from the H200 measurements in docs/gpu.md: int8 through Triton (0.9-1.0x bf16's
 tokens/s against 0.4-0.5x widened at batch 1-32), int4 through tinygemm (1.28x the Triton
 kernel's tokens/s at batch 1; Triton gives 1.12-1.21x at batch 32-256).
 `ORBITAL_CUDA_QUANT_KERNEL=triton|torch` sets both (the GPU benchmark compares them); the int4
