@@ -46,8 +46,8 @@ def smollm_shaped_llama(path) -> str:
 def _build(model, dtype, tp, threads, budget):
     from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
     from engine.core.engine_core import EngineCore
-    from engine.executor import InProcessExecutor
     from engine.model_config import build_model_config
+    from engine.runner.executor import InProcessExecutor
 
     mc = build_model_config(model, dtype, torch.device("cpu"))
     cc = CacheConfig(16, True, 256 << 20)
@@ -156,8 +156,8 @@ class _Timed:
 
 def _requests(mc, tokenizer, batch, prompt_len, new_tokens, tag):
     """`batch` prompts of exactly `prompt_len` token ids: loadtest's seeded `uniform` workload."""
-    from engine.input_processor import InputProcessor
     from engine.sampling_params import SamplingParams
+    from engine.text.input_processor import InputProcessor
     from loadtest import workloads
     from loadtest.tokens import HFTokenCounter
 

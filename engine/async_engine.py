@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from engine.core.kv_events import KVEventLog
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
-from engine.executor import ExecutorFactory, in_process_executor
 from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFailed, LoadKV
-from engine.input_processor import PromptInput
 from engine.kv_transfer.blocks import KVBlocks, KVLayout
 from engine.kv_transfer.remote_prefill import KVLoadRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
+from engine.runner.executor import ExecutorFactory, in_process_executor
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.text.input_processor import PromptInput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -15,7 +15,7 @@ from engine.engine_args import EngineArgs
 from engine.layers.quant.spec import METHODS
 
 if TYPE_CHECKING:
-    from engine.executor import ExecutorFactory
+    from engine.runner.executor import ExecutorFactory
     from engine.structured.spec import StructuredOutput
 
 
@@ -93,7 +93,7 @@ def main(
     """`executor_factory`: who builds this engine picks its executor (ARCHITECTURE.md, rule 5)."""
     args = parse_args(argv, prog)
     from engine import LLM, OrbitalError, SamplingParams
-    from engine.executor import in_process_executor
+    from engine.runner.executor import in_process_executor
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     try:

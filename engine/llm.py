@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 from tqdm.auto import tqdm
 
 from engine.engine_args import EngineArgs
-from engine.executor import ExecutorFactory, in_process_executor
-from engine.input_processor import PromptInput
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.runner.executor import ExecutorFactory, in_process_executor
 from engine.sampling_params import SamplingParams
+from engine.text.input_processor import PromptInput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -12,19 +12,19 @@ import torch
 
 from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore, StepInFlight
-from engine.cuda_graph import MAX_GRAPH_BATCH
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
-from engine.executor import ExecutorFactory, in_process_executor
-from engine.input_processor import InputProcessor, PromptInput
 from engine.kv_transfer.config import KVTransferConfig
 from engine.model_config import ModelConfig, build_model_config
-from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.runner.cuda_graph import MAX_GRAPH_BATCH
+from engine.runner.executor import ExecutorFactory, in_process_executor
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.config import SpeculativeConfig
 from engine.step_threads import StepThreads
+from engine.text.input_processor import InputProcessor, PromptInput
+from engine.text.output_processor import OutputProcessor
 
 
 class LLMEngine:

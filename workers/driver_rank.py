@@ -19,7 +19,7 @@ from workers.rank_runner import RankRunner
 if TYPE_CHECKING:
     from engine.config import CacheConfig
     from engine.model_config import ModelConfig
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
 
 class DriverRank(RankRunner):

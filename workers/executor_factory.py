@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from engine.config import CacheConfig, ParallelConfig
-from engine.executor import Executor, in_process_executor
 from engine.model_config import ModelConfig
+from engine.runner.executor import Executor, in_process_executor
 
 
 def make_executor(

@@ -15,7 +15,7 @@ class RankRunner:
 
     def _build_runner(self, model_config, cache_config) -> int:
         """Build this rank's model shard (reads only its slices); returns its KV block budget."""
-        from engine.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(model_config, cache_config, self.device)
         self.runner.load_model()

@@ -22,10 +22,10 @@ import torch
 from engine.config import CacheConfig, ParallelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.errors import EngineDeadError
-from engine.executor import Executor
 from engine.kv_transfer.block_io import head_slice
 from engine.kv_transfer.blocks import KVLayout
 from engine.model_config import ModelConfig
+from engine.runner.executor import Executor
 from workers.driver_rank import DriverRank
 from workers.messages import StepInput
 from workers.placement import ensure_ray, place_group, rank_resources, release_ray

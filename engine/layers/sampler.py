@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine import host_to_device
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.outputs import TokenLogprob
-from engine.sampling_metadata import SamplingMetadata
+from engine.runner import host_to_device
+from engine.runner.sampling_metadata import SamplingMetadata
 from engine.watermark import green_mask
 
 _NEG_INF = float("-inf")

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.forward_context import get_attn_metadata
 from engine.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.layers.packed_gemm import OP_ROWS, _vector_ops, small_linear_ops, small_rows
+from engine.runner.forward_context import get_attn_metadata
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaModel

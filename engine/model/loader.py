@@ -112,7 +112,7 @@ def load_model(
                 module.quantize_weights(spec)
         quant_checkpoint.save(model, saved)
     if torch.device(device).type == "cpu":
-        from engine.cpu_malloc import release_free_memory
+        from engine.runner.cpu_malloc import release_free_memory
 
         release_free_memory()
     return model.eval()

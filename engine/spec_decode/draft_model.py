@@ -20,13 +20,13 @@ from typing import Sequence
 
 import torch
 
-from engine.attn_metadata_builder import build_step_batch
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.forward_context import forward_context
 from engine.layers.sampler import argmax_rows
-from engine.model_runner import ModelRunner
 from engine.request import Request
-from engine.runner_state import RunnerRequestState
+from engine.runner.attn_metadata_builder import build_step_batch
+from engine.runner.forward_context import forward_context
+from engine.runner.model_runner import ModelRunner
+from engine.runner.runner_state import RunnerRequestState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.draft_length import StepCostModel
 

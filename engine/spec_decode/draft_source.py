@@ -20,7 +20,7 @@ from engine.model_config import ModelConfig, build_model_config
 
 if TYPE_CHECKING:
     from engine.config import CacheConfig
-    from engine.executor import Executor
+    from engine.runner.executor import Executor
     from engine.spec_decode.config import SpeculativeConfig
     from engine.spec_decode.draft_model import DraftModelProposer
 
@@ -104,8 +104,8 @@ def build_draft_proposer(
 ) -> DraftModelProposer:
     """The draft model's runner on its own KV pool (as many blocks as the target's unless
     `draft_num_blocks` says), with its step cost measured when k is adaptive."""
-    from engine.executor import InProcessExecutor
-    from engine.model_runner import ModelRunner
+    from engine.runner.executor import InProcessExecutor
+    from engine.runner.model_runner import ModelRunner
     from engine.spec_decode.draft_model import DraftModelProposer
 
     # The target's model is shareable when it runs whole in this process (tp=1).

@@ -26,11 +26,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
-from engine.input_processor import InputProcessor
-from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.request import child_request_ids, parent_request_id
 from engine.sampling_params import SamplingParams
+from engine.text.input_processor import InputProcessor
+from engine.text.output_processor import OutputProcessor
 from router.backpressure import IngressQueue
 from router.ingress.drain_watch import DrainWatch
 from router.ingress.failover import (

@@ -81,8 +81,8 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
     import torch
     from transformers import AutoTokenizer
 
-    from engine.input_processor import InputProcessor
     from engine.model_config import build_model_config
+    from engine.text.input_processor import InputProcessor
 
     mc = build_model_config(cfg.model, cfg.dtype, torch.device("cpu"), cfg.max_model_len, cfg.model_name)
     tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attn_metadata_builder import build_step_batch
 from engine.layers.attention.kv_quant import SCALE_BYTES, is_quantized_cache
-from engine.runner_state import RunnerRequestState
+from engine.runner.attn_metadata_builder import build_step_batch
+from engine.runner.runner_state import RunnerRequestState
 
 
 def make_step(decode_ctx: list[int], chunks: list[tuple[int, int]], block_size: int, num_blocks: int, seed: int = 0):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attn_metadata_builder import build_step_batch
 from engine.layers.attention.selector import get_backend
-from engine.runner_state import RunnerRequestState
+from engine.runner.attn_metadata_builder import build_step_batch
+from engine.runner.runner_state import RunnerRequestState
 from engine.sampling_params import SamplingParams
 
 

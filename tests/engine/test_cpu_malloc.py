@@ -10,7 +10,7 @@ _PROBE = """
 import ctypes, json, resource, sys, torch
 torch.set_num_threads(1)
 if sys.argv[1] == "tuned":
-    from engine.cpu_malloc import keep_step_memory
+    from engine.runner.cpu_malloc import keep_step_memory
     assert keep_step_memory()
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in

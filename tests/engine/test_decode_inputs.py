@@ -3,9 +3,9 @@ the graph buckets: padding rows must write only the spare block, real rows the r
 
 from __future__ import annotations
 
-from engine.cuda_graph import graph_buckets
-from engine.decode_inputs import DecodeInputs
-from engine.runner_state import RunnerRequestState
+from engine.runner.cuda_graph import graph_buckets
+from engine.runner.decode_inputs import DecodeInputs
+from engine.runner.runner_state import RunnerRequestState
 
 
 def _state(rid, prompt, out, blocks, nc):

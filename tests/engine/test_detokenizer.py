@@ -5,8 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.stop_checker import StopChecker
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.stop_checker import StopChecker
 
 torch.set_num_threads(1)
 

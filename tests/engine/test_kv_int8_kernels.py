@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attn_metadata_builder import build_step_batch
 from engine.layers.attention.kv_quant import dequantize_rows, quantize_rows, round_trip
 from engine.layers.attention.selector import get_backend
+from engine.runner.attn_metadata_builder import build_step_batch
 from tests.engine.test_attention_backends import SHAPES, _batch, _Recording
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_memory import allocate_kv_caches
+from engine.runner.kv_memory import allocate_kv_caches
 
 
 def test_cpu_kv_caches_are_zeroed_and_independent():

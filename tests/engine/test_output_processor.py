@@ -5,9 +5,9 @@ import importlib.util
 import pytest
 import torch
 
-from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.text.output_processor import OutputProcessor
 
 torch.set_num_threads(1)
 

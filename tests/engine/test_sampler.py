@@ -5,7 +5,7 @@ import torch
 
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.sampler import Sampler, argmax_rows, compute_prompt_logprobs
-from engine.sampling_metadata import SamplingMetadata
+from engine.runner.sampling_metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.core.block_hash import extend_block_hashes
 from engine.layers.sampler import Sampler
-from engine.sampling_metadata import SamplingMetadata
+from engine.runner.sampling_metadata import SamplingMetadata
 from engine.spec_decode.draft_length import DraftLengthPolicy, StepCostModel
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.verify import accept_drafts

@@ -11,7 +11,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.step_faults import MAX_CULPRITS_IN_A_ROW
 from engine.errors import InvalidRequestError
-from engine.sampling_metadata import SamplingMetadata
+from engine.runner.sampling_metadata import SamplingMetadata
 from tests.engine.test_kv_transfer import _assert_pools_whole
 
 POISON_SEED = 4242  # the patched sampler build raises for a request with this seed

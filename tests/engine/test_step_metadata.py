@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 
-from engine.attn_metadata_builder import _BUCKET_OVERHEAD_BLOCKS, _MAX_BUCKETS, _split_buckets, build_step_batch
+from engine.runner.attn_metadata_builder import _BUCKET_OVERHEAD_BLOCKS, _MAX_BUCKETS, _split_buckets, build_step_batch
 from tests.engine.paged_cases import make_step
 
 

@@ -15,7 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.layers.sampler import Sampler
-from engine.sampling_metadata import SamplingMetadata
+from engine.runner.sampling_metadata import SamplingMetadata
 from engine.structured.matcher import bitmask_width
 from engine.structured.spec import StructuredOutput
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.forward_context import get_attn_metadata
 from engine.layers.attention.backend import AttentionBackend
 from engine.layers.attention.selector import get_backend
+from engine.runner.forward_context import get_attn_metadata
 
 
 class Attention(nn.Module):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.layers.attention.metadata import AttentionMetadata, DecodeBucket, PrefillChunk
-from engine.runner_state import RunnerRequestState
+from engine.runner.runner_state import RunnerRequestState
 
 _BUCKET_OVERHEAD_BLOCKS = 48  # cost of one extra SDPA call, in padded blocks
 _MAX_BUCKETS = 4

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
 
 def kv_budget_from_free_memory(runner: ModelRunner, utilization: float, num_tokens: int) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.host_to_device import tensor, to_device
+from engine.runner.host_to_device import tensor, to_device
 from engine.sampling_params import SamplingParams
 
 _PAD = -1  # padding of the token-id tables; mapped to a spare column by the sampler

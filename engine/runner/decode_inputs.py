@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from engine.layers.attention.metadata import AttentionMetadata
-from engine.runner_state import RunnerRequestState
+from engine.runner.runner_state import RunnerRequestState
 
 
 class DecodeInputs:

@@ -12,22 +12,22 @@ from typing import Callable
 
 import torch
 
-from engine import host_to_device
-from engine.attn_metadata_builder import StepBatch, build_step_batch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.cpu_malloc import keep_step_memory
 from engine.distributed import get_tp_group, tp_max
-from engine.forward_context import forward_context
-from engine.kv_memory import allocate_kv_caches
 from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
 from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
 from engine.layers.sampler import Sampler, SamplerOutput, argmax_rows, compute_prompt_logprobs
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
-from engine.runner_state import RunnerRequestState, RunnerStates
-from engine.sampling_metadata import SamplingMetadata
+from engine.runner import host_to_device
+from engine.runner.attn_metadata_builder import StepBatch, build_step_batch
+from engine.runner.cpu_malloc import keep_step_memory
+from engine.runner.forward_context import forward_context
+from engine.runner.kv_memory import allocate_kv_caches
+from engine.runner.runner_state import RunnerRequestState, RunnerStates
+from engine.runner.sampling_metadata import SamplingMetadata
 from engine.spec_decode.verify import accept_drafts
 
 # Logits rows computed at once for prompt logprobs, and reserved by the memory profile.
@@ -134,7 +134,7 @@ class ModelRunner:
             return self.cc.num_blocks
         budget = self.cc.kv_cache_memory_bytes
         if self.device.type == "cuda" and self.cc.gpu_memory_utilization is not None:
-            from engine.gpu_memory import kv_budget_from_free_memory
+            from engine.runner.gpu_memory import kv_budget_from_free_memory
 
             budget = kv_budget_from_free_memory(self, self.cc.gpu_memory_utilization, self.cc.profile_num_tokens)
         return max(2, budget // self.bytes_per_block())
@@ -235,8 +235,8 @@ class ModelRunner:
             return
         if self.model.attention_layers()[0].backend.name != "triton_paged":
             return
-        from engine.cuda_graph import DecodeGraphs
-        from engine.decode_inputs import DecodeInputs
+        from engine.runner.cuda_graph import DecodeGraphs
+        from engine.runner.decode_inputs import DecodeInputs
 
         max_blocks = -(-self.mc.max_model_len // self.cc.block_size)
         sink = self.kv_caches[0].shape[2] - 1

@@ -68,7 +68,7 @@ class InProcessExecutor(Executor):
         device: str | torch.device = "cpu",
         cuda_graph_max_batch: int = 0,
     ) -> None:
-        from engine.model_runner import ModelRunner
+        from engine.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(model_config, cache_config, device, cuda_graph_max_batch)
         self.runner.load_model()

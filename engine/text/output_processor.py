@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, EngineCoreOutput, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.stop_checker import StopChecker
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.decode_inputs import DecodeInputs
-from engine.forward_context import forward_context
-from engine.runner_state import RunnerRequestState
+from engine.runner.decode_inputs import DecodeInputs
+from engine.runner.forward_context import forward_context
+from engine.runner.runner_state import RunnerRequestState
 
 if TYPE_CHECKING:
     from engine.model.llama import LlamaForCausalLM
