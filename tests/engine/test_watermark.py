@@ -5,6 +5,8 @@ with speculative decoding (the list depends only on the previous token)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,11 +58,12 @@ def test_watermarked_outputs_are_detected_and_plain_ones_are_not(llm):
 
 
 def test_the_watermark_keeps_a_request_s_tokens_batched_and_preempted(llm):
-    params = _sampled(watermark=WM)
+    params = dataclasses.replace(_sampled(watermark=WM), max_tokens=48)
     alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert batched == alone
-    small = LLM(dtype="float32", num_threads=2, max_model_len=512, num_blocks=24, block_size=16)
+    # 12 blocks of 16 hold one request's ~53 tokens but not all four at once: preemption.
+    small = LLM(dtype="float32", num_threads=2, max_model_len=512, num_blocks=12, block_size=16)
     try:
         squeezed = [o.outputs[0].token_ids for o in small.generate(PROMPTS, params, use_tqdm=False)]
         assert small.stats()["num_preemptions"] > 0
