@@ -76,16 +76,20 @@ def _add_schema(schemas: dict[str, Any], model: type[BaseModel]) -> dict[str, st
     return {"$ref": REF.format(model=model.__name__)}
 
 
-def _sse_event(ref: dict[str, str]) -> dict[str, Any]:
-    """One server-sent event: its `data` is the JSON text of `ref` (or `[DONE]`, last, on the
-    OpenAI routes). The JSON Schema 2020-12 content keywords say so; clients parse it."""
-    data = {"type": "string", "contentMediaType": "application/json", "contentSchema": ref}
+def _sse_event(ref: dict[str, str], done: bool) -> dict[str, Any]:
+    """One server-sent event: its `data` is the JSON text of `ref`, or on the OpenAI routes
+    (`done`) the literal `[DONE]` that ends the stream. The JSON Schema 2020-12 content keywords
+    say so; clients (and schemathesis) parse it."""
+    data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json", "contentSchema": ref}
+    if done:
+        data = {"anyOf": [data, {"const": "[DONE]"}]}
     return {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}}}
 
 
-def _success(schemas: dict[str, Any], bodies: dict[str, type[BaseModel]]) -> dict[str, Any]:
+def _success(schemas: dict[str, Any], bodies: dict[str, type[BaseModel]], path: str) -> dict[str, Any]:
+    done = path.startswith("/v1/")
     content = {
-        ctype: {"schema": _sse_event(_add_schema(schemas, m)) if ctype == SSE else _add_schema(schemas, m)}
+        ctype: {"schema": _sse_event(_add_schema(schemas, m), done) if ctype == SSE else _add_schema(schemas, m)}
         for ctype, m in bodies.items()
     }
     text = "The answer." if len(bodies) == 1 else "The answer; with `stream`, server-sent events, one per `data:` line."
@@ -104,7 +108,7 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
         for (path, method), bodies in SUCCESS.items():
             op = spec["paths"].get(path, {}).get(method)
             if op is not None:
-                op["responses"]["200"] = _success(schemas, bodies)
+                op["responses"]["200"] = _success(schemas, bodies, path)
         health = spec["paths"].get("/health", {}).get("get")
         if health is not None:
             health["responses"]["503"] = {
