@@ -20,8 +20,8 @@ from engine.core.kv_events import KVEventLog
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFailed, LoadKV
+from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks, KVLayout
-from engine.kv_transfer.remote_prefill import KVLoadRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus

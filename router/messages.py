@@ -14,9 +14,9 @@ replica -> ingress (the output channel, one streaming call per (ingress, replica
 replica -> ingress (the KV event feed, `kv_events`, one short-lived streaming call at a time):
   * `KVEventsUpdate`: a snapshot of the replica's cached block hashes (first contact, a gap,
     a restarted engine) and/or the batches since the last one the ingress saw.
-decode replica -> prefill replica (disaggregated serving, router/replica/remote_prefill.py):
+decode replica -> prefill replica (disaggregated serving, router/replica/prefill_client.py):
   * `PrefillKV`: compute these tokens and hand over their KV from block `first_block` on;
-    answered with `PrefillKVDone` (a workers.kv_transport.KVHandle and the compute time).
+    answered with `PrefillKVDone` (a router.replica.kv_transport.KVHandle and the compute time).
 replica -> ingress (once, when the model path does not exist where the ingress runs):
   * `TextSideFiles`: the model directory's tokenizer, config and chat template, no weights.
 `decode` checks the type once, where the bytes come in.
@@ -66,7 +66,7 @@ class PrefillKV:
 
 @dataclass(frozen=True, slots=True)
 class PrefillKVDone:
-    handle: object  # workers.kv_transport.KVHandle
+    handle: object  # router.replica.kv_transport.KVHandle
     replica_id: str
     compute_s: float  # arrival at the prefill replica to its KV read out
 

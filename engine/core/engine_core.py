@@ -10,9 +10,9 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEventLog
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineDeadError
+from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks
 from engine.kv_transfer.config import KVTransferConfig
-from engine.kv_transfer.remote_prefill import KVLoadRequest
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
 from engine.runner.executor import Executor

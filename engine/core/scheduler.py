@@ -22,9 +22,9 @@ from engine.core.scheduler_output import (
     SchedulerOutput,
 )
 from engine.core.step_faults import StepFaults
+from engine.kv_transfer.awaiting_kv import KVLoadRequest, RemotePrefill
 from engine.kv_transfer.config import KVTransferConfig
 from engine.kv_transfer.exports import KVExports
-from engine.kv_transfer.remote_prefill import KVLoadRequest, RemotePrefill
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig

@@ -4,11 +4,11 @@ The engine side of it, with no transport: which requests wait for KV computed el
 (`remote_prefill.py`) and which finished ones have theirs read out (`exports.py`), the scheduler
 halves; the block contents read out of and written into the paged cache (`block_io.py`, the
 runner half), and the payload with its layout (`blocks.py`).
-Moving the payload between processes is the caller's business (workers/kv_transport.py).
+Moving the payload between processes is the caller's business (router/replica/kv_transport.py).
 """
 
+from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks, KVLayout
 from engine.kv_transfer.config import KVTransferConfig
-from engine.kv_transfer.remote_prefill import KVLoadRequest
 
 __all__ = ["KVBlocks", "KVLayout", "KVLoadRequest", "KVTransferConfig"]

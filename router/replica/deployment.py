@@ -51,7 +51,7 @@ from router.metrics import COUNTERS, new_histograms
 from router.replica.autoscaling_stats import AutoscalingStats
 from router.replica.kv_feed import KVFeed
 from router.replica.outbox import Outbox
-from router.replica.remote_prefill import RemotePrefills, prefill_kv
+from router.replica.prefill_client import RemotePrefills, prefill_kv
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)

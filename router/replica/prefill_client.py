@@ -1,7 +1,7 @@
 """Disaggregated serving in the engine replicas: the decode side asks the prefill pool for the
 KV of long prompts (`RemotePrefills`), the prefill side computes it and hands it over
 (`prefill_kv`). The engine decides which requests go remote (engine/kv_transfer/); the KV moves
-through Ray's object store (workers/kv_transport.py).
+through Ray's object store (router/replica/kv_transport.py).
 
 A load that fails for any reason (the prefill replica died, the transfer broke, the payload
 does not fit, the timeout passed) is recomputed by the decode replica (policy `recompute`) or
@@ -17,11 +17,11 @@ import uuid
 from typing import TYPE_CHECKING, Iterable
 
 from engine.errors import EngineDeadError, InvalidRequestError
-from engine.kv_transfer.remote_prefill import KVLoadRequest
+from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.sampling_params import SamplingParams
 from router.messages import PrefillKV, PrefillKVDone
 from router.metrics import KV_TRANSFER_COUNTERS
-from workers.kv_transport import receive_kv, send_kv
+from router.replica.kv_transport import receive_kv, send_kv
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
