@@ -42,6 +42,7 @@ def test_fp8_holds_as_many_tokens_as_int8(reference_backend):
     assert tokens["fp8_e4m3"] == tokens["int8"] >= 1.9 * tokens["auto"]
 
 
+@pytest.mark.slow  # a perplexity over a long text: make test runs it, make test-fast does not
 def test_fp8_kv_perplexity_close_to_the_float_cache(reference_backend):
     # Measured +1.24% (int8: +0.20%): e4m3 keeps 3 mantissa bits, so values near a row's absmax
     # round 16x coarser than int8's; its per-row scale spares it saturation, not that.

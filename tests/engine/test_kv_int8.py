@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -59,6 +60,7 @@ def kv_perplexity_change(kv_cache_dtype: str) -> float:
     return ppl_q / ppl_f - 1
 
 
+@pytest.mark.slow  # a perplexity over a long text: make test runs it, make test-fast does not
 def test_int8_kv_perplexity_within_half_a_percent_of_the_float_cache():
     assert abs(kv_perplexity_change("int8")) < 0.005
 

@@ -66,6 +66,7 @@ def agreement(greedy_a: list[list[int]], greedy_b: list[list[int]]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
+@pytest.mark.slow  # a perplexity over a long text: make test runs it, make test-fast does not
 def test_int8_weights_perplexity_within_one_percent_of_float32():
     results = {q: quality(quantization=q, **ARGS) for q in (None, "int8")}
     (ppl_f, greedy_f), (ppl_q, greedy_q) = results[None], results["int8"]

@@ -45,6 +45,7 @@ def test_group_size_falls_back_to_one_that_divides():
     assert group_size_for(576, 128) == 64 and group_size_for(1536, 128) == 128 and group_size_for(96, 64) == 32
 
 
+@pytest.mark.slow  # a perplexity over a long text: make test runs it, make test-fast does not
 def test_int4_and_gguf_perplexity_within_bounds_of_float32():
     results = {q: quality(quantization=q, **ARGS) for q in (None, *PPL_BOUND)}
     ppl_f, greedy_f = results[None]

@@ -15,6 +15,9 @@ from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_spec_decode import PROMPTS, _check_pool
 from tests.tiny_llama import save_tiny_llama
 
+# Whole engines or Ray clusters per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 KW = dict(dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory_bytes=16 << 20)
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=32, logprobs=1),

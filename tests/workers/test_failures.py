@@ -16,6 +16,9 @@ from engine import EngineDeadError, SamplingParams
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
+# Whole engines or Ray clusters per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 ARGS = dict(dtype="float32", block_size=4, num_blocks=512, num_threads=1)
 
 

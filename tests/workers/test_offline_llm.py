@@ -3,11 +3,15 @@ shuts down what it started."""
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 from engine import SamplingParams
 from tests.workers.conftest import hf_greedy
 from workers import LLM
+
+# Whole engines or Ray clusters per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
 
 
 def test_offline_llm_starts_and_stops_its_own_ray(tiny_llama_dir):

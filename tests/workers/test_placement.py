@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -14,6 +15,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine import SamplingParams
 from tests.workers.conftest import hf_greedy
 from workers import LLM
+
+# Whole engines or Ray clusters per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
 
 ARGS = dict(dtype="float32", block_size=4, num_blocks=64, max_num_batched_tokens=8, num_threads=1)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]]
