@@ -343,7 +343,7 @@ class AsyncEngine:
         self._step_started = time.monotonic()
         try:
             # Overlapped (CUDA): the next step is launched before this one's text is made below.
-            core_outputs = eng.finish_and_launch() if eng.overlap_text else eng.core.step()
+            core_outputs = eng.core_step()
         finally:
             self._step_started = None
         self.step_count += 1

@@ -127,14 +127,14 @@ class LLMEngine:
         self.core.abort_requests(children)
 
     def step(self) -> list[RequestOutput]:
-        if not self.overlap_text:
-            return self.process_core_outputs(self.core.step())
-        core_outputs = self.finish_and_launch()
-        return self.process_core_outputs(core_outputs)  # while the device runs the next step
+        # Overlapped: the core outputs come back with the next step already running on the device.
+        return self.process_core_outputs(self.core_step())
 
-    def finish_and_launch(self) -> list[EngineCoreOutput]:
-        """Overlapped stepping: complete the step in flight (launching one first if none is),
-        then launch the next if there is work, and return the completed step's outputs."""
+    def core_step(self) -> list[EngineCoreOutput]:
+        """One step's token outputs: plain, or overlapped (`overlap_text`) when the step in
+        flight is completed and the next one launched before returning."""
+        if not self.overlap_text:
+            return self.core.step()
         step = self._in_flight or self.core.begin_step()
         self._in_flight = None
         core_outputs = self.core.finish_step(step)

@@ -21,17 +21,11 @@ _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+
 
 
 def parse(text: str) -> dict[str, float]:
-    out = {"prefix_cache_hits": 0.0, "prefix_cache_queries": 0.0}
-    found = False
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m or m.group(1).endswith("_created"):
-            continue
-        for key in out:
-            if key in m.group(1):
-                out[key] += float(m.group(3))
-                found = True
-    return out if found else {}
+    """The prefix-cache counters of a /metrics page ({} when it has none)."""
+    s = parse_series(text)
+    if "prefix_hits" not in s and "prefix_queries" not in s:
+        return {}
+    return {"prefix_cache_hits": s.get("prefix_hits", 0.0), "prefix_cache_queries": s.get("prefix_queries", 0.0)}
 
 
 def scrape(root: str, timeout: float = 30.0, headers: dict | None = None) -> dict[str, float]:
