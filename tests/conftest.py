@@ -24,6 +24,15 @@ def smollm_dir():
 
 
 @pytest.fixture(scope="session")
+def chat_stand_in(tmp_path_factory, smollm_dir):
+    """The embedded model's tokenizer on a 2-layer random Llama (tests/tiny_llama.py), saved once
+    per run: the serving-plumbing packages serve it where exact streams matter, not their words."""
+    from tests.tiny_llama import save_chat_stand_in
+
+    return str(save_chat_stand_in(tmp_path_factory.mktemp("chat-stand-in"), smollm_dir))
+
+
+@pytest.fixture(scope="session")
 def smollm_tokenizer(smollm_dir):
     from transformers import AutoTokenizer
 

@@ -1,5 +1,6 @@
-"""One Ray cluster + Serve app for tests/failover: 4 engine replicas of the embedded model
-(float32, one torch thread each) behind the cache-aware router, a 3 s drain budget. Faults come
+"""One Ray cluster + Serve app for tests/failover: 4 engine replicas of the chat stand-in
+(tests/tiny_llama.py: the embedded model's tokenizer on a 2-layer random Llama; float32, one
+torch thread each) behind the cache-aware router, a 3 s drain budget. Faults come
 from outside: the tests SIGKILL a replica's process (its pid is in `replica_stats`) or redeploy
 with fewer replicas. Serve replaces a killed replica only after 40-110 s, so 4 replicas leave
 room for several kills in a row. Everything is shut down at the end."""
@@ -15,18 +16,24 @@ import pytest
 
 from tests.router.conftest import BASE, metrics
 from tests.serve_cluster import serve_app
+from tests.tiny_llama import chat_stand_in_block_bytes
 
 APP = "failover"
 MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="package")
-def failover_cluster(tmp_path_factory):
+def failover_cluster(tmp_path_factory, chat_stand_in):
     # A watermark key: the seeded stream is watermarked (streams.py), so a moved watermarked
     # request must also resume with exactly its uninterrupted tokens.
     key = tmp_path_factory.mktemp("wm") / "key"
     key.write_text("8675309\n")
-    config = {**BASE, "kv_cache_memory_bytes": 32 << 20, "watermark_key_file": str(key)}
+    config = {
+        **BASE,
+        "model": chat_stand_in,
+        "kv_cache_memory_bytes": 256 * chat_stand_in_block_bytes(),
+        "watermark_key_file": str(key),
+    }
     with serve_app(APP, **config, num_replicas=4, drain_timeout_s=3.0) as cluster:
         yield cluster
 

@@ -65,23 +65,29 @@ def test_tgi_stream_resumes_exactly(failover_cluster):
     assert after == before + 1 and failed_after == failed_before
 
 
+# A non-streamed request is killed after a fixed delay, so it must run long enough to be caught.
+NONSTREAM_TOKENS = 768
+
+
 async def _n2(url: str, stream: bool, handle=None, pids=None) -> tuple[list[str], list[str], int]:
     c = client(url)
     kw = dict(
         model=(await c.models.list()).data[0].id,
         prompt=PROMPT,
-        max_tokens=MAX_TOKENS,
+        max_tokens=MAX_TOKENS if stream else NONSTREAM_TOKENS,
         n=2,
         temperature=0.9,
         seed=11,
         extra_body={"ignore_eos": True},
     )
     if not stream:
-        if handle is not None:  # kill while it runs: after half its tokens' time
+        if handle is not None:  # kill while it runs: once the router has placed it
+            seen = set(await handle.routing_decisions.remote())
             task = asyncio.ensure_future(c.completions.create(**kw))
-            await asyncio.sleep(1.0)
-            rid = list((await handle.routing_decisions.remote()))[-1].rsplit("-", 1)[0]
-            await kill_replica_of(handle, rid, pids)
+            while not (new := set(await handle.routing_decisions.remote()) - seen):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # a few of its NONSTREAM_TOKENS (~3 s of decoding) are out
+            await kill_replica_of(handle, next(iter(new)).rsplit("-", 1)[0], pids)
             r = await task
         else:
             r = await c.completions.create(**kw)
@@ -111,7 +117,7 @@ def test_n2_resumes_exactly(failover_cluster, stream):
         return reference, await _n2(url, stream, handle, pids)
 
     reference, got = asyncio.run(run())
-    assert got == reference and got[2] == 2 * MAX_TOKENS, (got, reference)
+    assert got == reference and got[2] == 2 * (MAX_TOKENS if stream else NONSTREAM_TOKENS), (got, reference)
     after, failed_after = migrations(url)
     assert after == before + 1 and failed_after == failed_before
 

@@ -2,8 +2,9 @@
 schemathesis (the command-line tool, unchanged) against the app's own OpenAPI schema, and a
 hand-written list of hostile bodies, while a long stream runs beside them.
 
-The fuzzed app has a 32-token context so every generated request stays cheap on CPU (TGI's
-default of 100 new tokens is cut to what the context has left)."""
+The fuzzed app serves the chat stand-in (tests/tiny_llama.py: the embedded model's tokenizer and
+chat template on a 2-layer random Llama) with a 32-token context, so every generated request
+stays cheap on CPU (TGI's default of 100 new tokens is cut to what the context has left)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fuzz_url(serve_cluster):
+def fuzz_url(serve_cluster, chat_stand_in):
     from ray import serve
 
     from router.app import build_app
     from router.config import AppConfig
 
-    serve.run(build_app(AppConfig(**BASE, max_model_len=32)), name="fuzz", route_prefix="/fuzz")
+    cfg = AppConfig(**BASE, model=chat_stand_in, max_model_len=32)
+    serve.run(build_app(cfg), name="fuzz", route_prefix="/fuzz")
     url = f"{serve_cluster['url']}/fuzz"
     wait_healthy(url)
     yield url

@@ -1,6 +1,6 @@
 """A tensor-parallel engine replica behind the router: one Serve replica, one placement group
-(STRICT_PACK) of 3 bundles, 3 TPWorker ranks (SmolLM2: 9 heads, 3 KV heads); greedy output
-equals the tp=1 app's; a rank killed from outside turns /health to 503 within seconds, and Serve
+(STRICT_PACK) of 3 bundles, 3 TPWorker ranks serving the chat stand-in (tests/tiny_llama.py:
+6 heads, 3 KV heads); greedy output equals the offline tp=1 engine's; a rank killed from outside turns /health to 503 within seconds, and Serve
 replaces the replica."""
 
 from __future__ import annotations
@@ -19,23 +19,30 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def tp3_url(serve_cluster):
+def tp3_url(serve_cluster, chat_stand_in):
     from ray import serve
 
     from router.app import build_app
     from router.config import AppConfig
 
-    serve.run(build_app(AppConfig(**BASE, tensor_parallel_size=3)), name="tp3", route_prefix="/tp3")
+    cfg = AppConfig(**BASE, model=chat_stand_in, tensor_parallel_size=3)
+    serve.run(build_app(cfg), name="tp3", route_prefix="/tp3")
     yield f"{serve_cluster['url']}/tp3"
     serve.delete("tp3")
 
 
-def test_tp3_matches_tp1(tp3_url, base_url):
+def test_tp3_matches_tp1(tp3_url, chat_stand_in):
+    from engine import LLM, SamplingParams
+
     body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
     tp3 = httpx.post(f"{tp3_url}/v1/completions", json=body, timeout=300)
-    tp1 = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300)
-    assert tp3.status_code == 200 and tp1.status_code == 200
-    assert tp3.json()["choices"][0]["text"] == tp1.json()["choices"][0]["text"]
+    assert tp3.status_code == 200, tp3.text
+    llm = LLM(chat_stand_in, dtype="float32", kv_cache_memory_bytes=16 << 20, num_threads=1)
+    try:
+        [tp1] = llm.generate([body["prompt"]], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert tp3.json()["choices"][0]["text"] == tp1.outputs[0].text
     health = httpx.get(f"{tp3_url}/health", timeout=60).json()
     assert health["status"] == "ok" and health["replicas"] == 1
 
