@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import engine  # noqa: F401 - OpenMP's wait defaults (engine/__init__.py) before torch loads it
 
@@ -14,6 +15,29 @@ import torch
 torch.set_num_threads(int(os.environ.get("ORBITAL_TEST_THREADS", "2")))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+# The packages that deploy onto the shared Serve cluster (tests/serve_cluster.py), in this order,
+# run after all others and back to back, so that the cluster starts once per run.
+SHARED_SERVE_PACKAGES = ("disagg", "e2e", "failover", "router", "routing")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        package = item.nodeid.split("/")[1] if item.nodeid.count("/") >= 2 else ""
+        return SHARED_SERVE_PACKAGES.index(package) + 1 if package in SHARED_SERVE_PACKAGES else 0
+
+    items.sort(key=rank)  # stable: the order inside a package is pytest's
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_serve_cluster_stops():
+    """The shared Serve cluster, if a test started it, is shut down when the run ends."""
+    yield
+    if "ray" in sys.modules:
+        from tests.serve_cluster import release_ray
+
+        release_ray()
 
 
 @pytest.fixture(scope="session")

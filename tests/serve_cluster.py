@@ -1,5 +1,8 @@
-"""A local Ray cluster with Serve on a loopback port, for the end-to-end test packages: started
-without the dashboard, and Serve and Ray shut down when the block ends, whatever happened."""
+"""Local Ray clusters with Serve on a loopback port, for the end-to-end test packages, started
+without the dashboard. Most packages deploy their apps onto one shared cluster (started once
+per run, shut down at its end by tests/conftest.py): starting Ray and Serve costs ~15 s here.
+A test that needs a cluster of its own shape (fewer CPUs, several nodes) stops the shared one
+first (`release_ray`); the next package that needs it starts it again."""
 
 from __future__ import annotations
 
@@ -13,25 +16,51 @@ if TYPE_CHECKING:
 
     from router.config import AppConfig
 
+SHARED_CPUS = 8  # logical: every app of a package at once (2 cores really run them)
+_shared: dict[str, str] = {}
 
-@contextmanager
-def local_serve(num_cpus: int = 8) -> Iterator[str]:
-    """Yields the base URL Serve's proxy listens on."""
+
+def release_ray() -> None:
+    """Shut down whatever Ray this process runs (the shared cluster or another's), Serve first."""
     import ray
     from ray import serve
 
-    if ray.is_initialized():  # a test module before this one left its own (it should not)
-        ray.shutdown()
-    port = free_port()
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
+    _shared.clear()
+    if ray.is_initialized():
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def _start(num_cpus: int) -> str:
+    import ray
+    from ray import serve
+
+    release_ray()
+    port = free_port()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def shared_serve() -> str:
+    """The base URL of the shared cluster's Serve proxy, starting the cluster if none runs."""
+    import ray
+
+    if not (_shared and ray.is_initialized()):
+        _shared["url"] = _start(SHARED_CPUS)
+    return _shared["url"]
+
+
+@contextmanager
+def local_serve(num_cpus: int) -> Iterator[str]:
+    """A cluster of this test's own (the shared one is stopped first): yields the base URL of
+    Serve's proxy; Serve and Ray are shut down when the block ends, whatever happened."""
+    try:
+        yield _start(num_cpus)
+    finally:
+        release_ray()
 
 
 def run_app(cfg: AppConfig, name: str, url: str, route_prefix: str = "/") -> DeploymentHandle:
@@ -46,17 +75,24 @@ def run_app(cfg: AppConfig, name: str, url: str, route_prefix: str = "/") -> Dep
 
 
 @contextmanager
-def serve_app(name: str, num_cpus: int = 8, **config) -> Iterator[dict]:
-    """`local_serve` with one Orbital app of `AppConfig(**config)` deployed and healthy: yields
-    {"url", "handle", "cfg"}; everything is shut down when the block ends."""
+def serve_app(name: str, route_prefix: str = "/", **config) -> Iterator[dict]:
+    """One Orbital app of `AppConfig(**config)` deployed on the shared cluster and healthy:
+    yields {"url", "handle", "cfg"} ("url" is the app's own); the app is deleted when the block
+    ends."""
     import pytest
 
     pytest.importorskip("ray")
+    from ray import serve
+
     from router.config import AppConfig
 
-    with local_serve(num_cpus) as url:
-        cfg = AppConfig(**config)
-        yield {"url": url, "handle": run_app(cfg, name, url), "cfg": cfg}
+    url = shared_serve()
+    cfg = AppConfig(**config)
+    try:
+        handle = run_app(cfg, name, url, route_prefix)
+        yield {"url": url + route_prefix.rstrip("/"), "handle": handle, "cfg": cfg}
+    finally:
+        serve.delete(name)
 
 
 def assert_completions_equal(url: str, prompts: list[str], texts: list[str], max_tokens: int) -> None:

@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from tests.cluster.helpers import complete, free_port, replica_states, stream_completion, wait_healthy
+from tests.serve_cluster import release_ray
 from tests.tiny_llama import save_tiny_llama
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -39,8 +40,7 @@ def three_node_app(tmp_path_factory, smollm_dir):
     from router.config import AppConfig
 
     model_dir = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-serve"), tokenizer_from=smollm_dir)
-    if ray.is_initialized():
-        ray.shutdown()
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "resources": SPREAD, "include_dashboard": False}
     )

@@ -16,6 +16,7 @@ from engine import SamplingParams
 from tests.disagg.conftest import PD_BASE
 from tests.disagg.test_outputs import DOC
 from tests.net import free_port, wait_healthy
+from tests.serve_cluster import release_ray
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -34,8 +35,7 @@ def two_pool_nodes():
     from router.app import build_app
     from router.config import AppConfig
 
-    if ray.is_initialized():
-        ray.shutdown()
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         prefill_node = cluster.add_node(num_cpus=2, resources={"prefill_node": 1})

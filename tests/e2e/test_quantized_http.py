@@ -18,7 +18,7 @@ QUANT = dict(quantization="int8", kv_cache_dtype="int8")
 
 @pytest.fixture(scope="module")
 def quant_url():
-    with serve_app("quant", num_cpus=4, **BASE, num_replicas=1, **QUANT) as cluster:
+    with serve_app("quant", **BASE, num_replicas=1, **QUANT) as cluster:
         yield cluster["url"]
 
 

@@ -16,9 +16,9 @@ PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,"]
 
 @pytest.fixture(scope="module")
 def spec_url():
-    """One app, one engine replica, on its own local Ray + Serve (shut down after)."""
+    """One app, one engine replica, on the shared cluster (deleted after)."""
     spec = {"method": "self", "draft_layers": 8, "num_speculative_tokens": 3, "adaptive": False}
-    with serve_app("spec", num_cpus=4, **BASE, num_replicas=1, speculative=spec) as cluster:
+    with serve_app("spec", **BASE, num_replicas=1, speculative=spec) as cluster:
         yield cluster["url"]
 
 

@@ -1,11 +1,11 @@
-"""One local Ray cluster + Serve instance for all of tests/router (starting Ray, Serve and the
-model costs ~30-60 s here), with two applications:
+"""Two applications on the run's shared Ray cluster (tests/serve_cluster.py) for all of
+tests/router (deploying the model costs ~30-60 s here):
 
   * `main` at /        : 2 engine replicas, defaults (no API key), float32, small KV budget,
                          the hermes tool-call parser;
   * `strict` at /strict: 1 replica, API key, no tool-call parser, tiny queues (max 2 running, 1 queued per replica,
     2 queued in the router), 64 KiB body limit, 8 s request timeout.
-Everything is shut down at the end (serve.shutdown(), ray.shutdown()).
+Both are deleted at the end; the modules' own apps are deleted by their fixtures.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_cluster import local_serve, run_app
+from tests.serve_cluster import run_app, shared_serve
 
 STRICT_KEY = "test-key"
 
@@ -27,22 +27,25 @@ BASE = dict(dtype="float32", kv_cache_memory_bytes=64 << 20, num_threads=1, cpus
 @pytest.fixture(scope="package")
 def serve_cluster(tmp_path_factory):
     pytest.importorskip("ray")
+    from ray import serve
+
     from router.config import AppConfig
 
-    with local_serve() as url:
-        main_cfg = AppConfig(**BASE, num_replicas=2, tool_call_parser="hermes")
-        key_file = tmp_path_factory.mktemp("key") / "api-key"
-        key_file.write_text(STRICT_KEY + "\n")
-        strict_cfg = AppConfig(
-            **BASE,
-            num_replicas=1,
-            api_key_file=str(key_file),  # read by the ingress replica
-            max_num_seqs=2,
-            max_queued_requests_per_replica=1,
-            max_queued_requests=2,
-            max_request_body_bytes=64 << 10,
-            request_timeout_s=8.0,
-        )
+    url = shared_serve()
+    main_cfg = AppConfig(**BASE, num_replicas=2, tool_call_parser="hermes")
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(STRICT_KEY + "\n")
+    strict_cfg = AppConfig(
+        **BASE,
+        num_replicas=1,
+        api_key_file=str(key_file),  # read by the ingress replica
+        max_num_seqs=2,
+        max_queued_requests_per_replica=1,
+        max_queued_requests=2,
+        max_request_body_bytes=64 << 10,
+        request_timeout_s=8.0,
+    )
+    try:
         handle = run_app(main_cfg, "main", url)
         strict = run_app(strict_cfg, "strict", url, route_prefix="/strict")
         yield {
@@ -54,6 +57,9 @@ def serve_cluster(tmp_path_factory):
             "strict_cfg": strict_cfg,
             "strict_key": STRICT_KEY,
         }
+    finally:
+        serve.delete("main")
+        serve.delete("strict")
 
 
 @pytest.fixture(scope="package")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.serve_cluster import release_ray
 from tests.tiny_llama import save_tiny_llama
 
 
@@ -30,8 +31,7 @@ def tiny_mqa_dir(tmp_path_factory, smollm_dir):
 def ray_local():
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -13,6 +13,7 @@ import pytest
 import ray
 
 from engine import EngineDeadError, SamplingParams
+from tests.serve_cluster import release_ray
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
@@ -26,8 +27,7 @@ ARGS = dict(dtype="float32", block_size=4, num_blocks=512, num_threads=1)
 def ray_one_cpu():
     """Room for exactly one tp=2 group (one remote rank): rebuilding only works if the dead
     group let go."""
-    if ray.is_initialized():
-        ray.shutdown()
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

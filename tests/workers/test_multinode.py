@@ -12,6 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import SamplingParams
+from tests.serve_cluster import release_ray
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
@@ -23,8 +24,7 @@ PROMPTS = [[10, 20, 30, 40, 50], list(range(100, 125)), [9]]
 def three_nodes():
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     # Head with 1 CPU (room for one remote rank only), two nodes with 2 CPUs each.
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:

@@ -7,6 +7,7 @@ import pytest
 import ray
 
 from engine import SamplingParams
+from tests.serve_cluster import release_ray
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
@@ -15,8 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_offline_llm_starts_and_stops_its_own_ray(tiny_llama_dir):
-    if ray.is_initialized():
-        ray.shutdown()
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     prompts = [[11, 22, 33], list(range(60, 90))]
     expected = [ids for ids, _ in hf_greedy(tiny_llama_dir, prompts, 6)]
     llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, dtype="float32", num_blocks=64, num_threads=1)
