@@ -86,6 +86,7 @@ def test_packed_blocks_keep_their_values(kinds):
     assert torch.equal(embedding_int4(packed, ids, torch.float32), got[ids])
 
 
+@pytest.mark.slow
 def test_a_cut_gguf_keeps_the_first_layers_blocks(embedded_reader, tmp_path):
     """tests/engine/gguf_subset.py (what the GPU tests run a real GGUF from): the first layer's
     and the shared tensors' blocks byte for byte, the metadata with one block (the GPU test

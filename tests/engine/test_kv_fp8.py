@@ -54,6 +54,7 @@ def test_the_kv_dtypes_salt_block_hashes_apart():
     assert roots["auto"] is None and roots["int8"] != roots["fp8_e4m3"]
 
 
+@pytest.mark.slow
 def test_fp8_kv_hand_off_moves_float8_rows_with_their_scales(reference_backend):
     with kv_hand_off("fp8_e4m3") as h:
         # fp8's step is 16x int8's, so a last-bit difference between the paths' GEMMs moves

@@ -65,6 +65,7 @@ def test_int8_kv_perplexity_within_half_a_percent_of_the_float_cache():
     assert abs(kv_perplexity_change("int8")) < 0.005
 
 
+@pytest.mark.slow
 def test_int8_kv_with_prefix_cache_hits_and_preemption_keeps_its_tokens():
     assert_hits_and_preemption_keep_tokens(rounding={"kv_cache_dtype": "auto"}, kv_cache_dtype="int8")
 
@@ -111,6 +112,7 @@ def kv_hand_off(kv_cache_dtype: str) -> Iterator[SimpleNamespace]:
             llm.shutdown()
 
 
+@pytest.mark.slow
 def test_int8_kv_hand_off_moves_the_scales_and_a_float_payload_is_refused():
     with kv_hand_off("int8") as h:
         assert_paths_agree(h.got, h.expected, h.bound)

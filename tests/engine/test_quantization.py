@@ -90,6 +90,7 @@ def test_unknown_quantization_is_refused():
         LLM(quantization="int3", **ARGS)
 
 
+@pytest.mark.slow
 def test_int8_with_prefix_cache_hits_and_preemption_keeps_its_tokens():
     """The same int8 engine's greedy tokens, alone with a roomy pool, then again in a batch that
     hits the prefix cache and a pool small enough to preempt: the same up to a near-tie. A few

@@ -58,6 +58,7 @@ def test_int4_and_gguf_perplexity_within_bounds_of_float32():
         assert abs(ppl_q / ppl_f - 1) < bound, (q, ppl_f, ppl_q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["int4", "gguf"])
 def test_int4_with_prefix_cache_hits_and_preemption_keeps_its_tokens(quantization):
     # Where the CPU has bf16 dot products the int4 paths round activations to bf16: the same

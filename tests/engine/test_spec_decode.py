@@ -86,6 +86,7 @@ def test_greedy_identical_with_stops_logprobs_and_n(off, on):
     _check_pool(on, got)
 
 
+@pytest.mark.slow
 def test_preemption_small_pool_identical():
     prompts = PROMPTS * 3
     sp = SamplingParams(temperature=0, max_tokens=48)

@@ -1,7 +1,9 @@
 """Green-list watermarking (engine/watermark.py): the green share is gamma, the sampler and the
 detector agree on every green list, watermarked outputs score far above the threshold and plain
 ones near zero, and a watermarked request gets the same tokens alone, batched, preempted and
-with speculative decoding (the list depends only on the previous token)."""
+with speculative decoding (the list depends only on the previous token). The engine serves the
+chat stand-in (tests/tiny_llama.py): the embedded model's vocabulary on a 2-layer random Llama,
+whose sampled tokens carry more entropy than SmolLM2's."""
 
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ def test_green_lists_hold_gamma_and_the_detector_sees_the_sampler_s_lists():
 
 
 @pytest.fixture(scope="module")
-def llm():
-    llm = LLM(dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory_bytes=32 << 20)
+def llm(chat_stand_in):
+    llm = LLM(chat_stand_in, dtype="float32", num_threads=2, max_model_len=512, kv_cache_memory_bytes=32 << 20)
     yield llm
     llm.shutdown()
 
@@ -57,13 +59,13 @@ def test_watermarked_outputs_are_detected_and_plain_ones_are_not(llm):
     assert all(detect(o.outputs[0].token_ids, Watermark(key=99)).z_score < THRESHOLD for o in marked)
 
 
-def test_the_watermark_keeps_a_request_s_tokens_batched_and_preempted(llm):
+def test_the_watermark_keeps_a_request_s_tokens_batched_and_preempted(llm, chat_stand_in):
     params = dataclasses.replace(_sampled(watermark=WM), max_tokens=48)
     alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert batched == alone
     # 12 blocks of 16 hold one request's ~53 tokens but not all four at once: preemption.
-    small = LLM(dtype="float32", num_threads=2, max_model_len=512, num_blocks=12, block_size=16)
+    small = LLM(chat_stand_in, dtype="float32", num_threads=2, max_model_len=512, num_blocks=12, block_size=16)
     try:
         squeezed = [o.outputs[0].token_ids for o in small.generate(PROMPTS, params, use_tqdm=False)]
         assert small.stats()["num_preemptions"] > 0
@@ -72,10 +74,11 @@ def test_the_watermark_keeps_a_request_s_tokens_batched_and_preempted(llm):
     assert squeezed == alone
 
 
-def test_the_watermark_under_speculative_decoding(llm):
+def test_the_watermark_under_speculative_decoding(llm, chat_stand_in):
     """n-gram drafts are verified against the watermarked distribution: greedy outputs equal
     the ones without drafts."""
     spec = LLM(
+        chat_stand_in,
         dtype="float32",
         num_threads=2,
         max_model_len=512,

@@ -106,6 +106,7 @@ def test_broken_rank_is_a_clear_error_within_seconds(ray_one_cpu, tiny_llama_dir
         assert time.monotonic() - t < 10  # nothing left blocked in a collective
 
 
+@pytest.mark.slow
 def test_group_is_rebuilt_after_a_death(ray_one_cpu, tiny_llama_dir):
     prompt = [5, 6, 7, 8, 9]
     expected = hf_greedy(tiny_llama_dir, [prompt], 8)[0][0]
