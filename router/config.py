@@ -50,6 +50,44 @@ class ModelPool(BaseModel):
         return {**fields, "served_model_name": self.name}
 
 
+class TierRule(BaseModel):
+    """A rule of a tier's routing: a request for which every condition set here holds starts at
+    `pool` (the rules are tried in order; the first that holds wins)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pool: str = Field(min_length=1, description="The pool of the tier to start at.")
+    min_prompt_tokens: int | None = Field(None, ge=0, description="Prompt at least this long (tokens).")
+    max_prompt_tokens: int | None = Field(None, ge=0, description="Prompt at most this long (tokens).")
+    min_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens at least this (a request that sets none matches)."
+    )
+    tools: bool | None = Field(None, description="The request offers tools (true) or none (false).")
+    response_format: bool | None = Field(
+        None, description="The request asks for structured output: a JSON schema or object, regex, choice, grammar."
+    )
+
+
+class TierRouting(BaseModel):
+    """How a tier alias picks the pool a request starts at (router/tiering/policy.py): the
+    `x-orbital-tier` hint header, then `rules`, then the learned `classifier`, else the first pool.
+    Overflow then moves on to the tier's later pools."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[TierRule] = Field([], description="Tried in order; the first whose conditions all hold picks.")
+    classifier: str | None = Field(
+        None, description="A classifier file from `python -m router.tiering train`, read by the router replicas."
+    )
+    classifier_threshold: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The smallest pool whose probability plus the smaller pools' reaches this: lower is cheaper.",
+    )
+    allow_hint: bool = Field(True, description="Take the client's `x-orbital-tier` header (a pool of the tier).")
+
+
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -269,8 +307,12 @@ class AppConfig(BaseModel):
     )
     aliases: dict[str, list[str]] = Field(
         {},
-        description="Alias -> ordered pools (a tier): a request for the alias goes to the first pool and moves "
-        "to the next only when one sheds load (429).",
+        description="Alias -> ordered pools (a tier), smallest first: a request for the alias starts at the "
+        "first pool (or where `tier_routing` says) and moves to the next when one sheds load (429) or fails "
+        "before its first token.",
+    )
+    tier_routing: dict[str, TierRouting] = Field(
+        {}, description="Alias -> how its requests pick their starting pool (rules, classifier, hint header)."
     )
 
     # --- scaling (router/controller/autoscaling_config.py) ---
@@ -345,6 +387,12 @@ class AppConfig(BaseModel):
                 raise ValueError(f"aliases.{alias}: unknown pool(s) {unknown}; pools: {names}")
             if len(set(tier)) != len(tier):
                 raise ValueError(f"aliases.{alias}: a pool appears twice in {tier}")
+        for alias, routing in self.tier_routing.items():
+            if alias not in self.aliases:
+                raise ValueError(f"tier_routing.{alias}: not an alias; aliases: {sorted(self.aliases)}")
+            for i, rule in enumerate(routing.rules):
+                if rule.pool not in self.aliases[alias]:
+                    raise ValueError(f"tier_routing.{alias}.rules[{i}]: {rule.pool!r} is not in {self.aliases[alias]}")
         return self
 
     def pool_configs(self) -> list["AppConfig"]:
@@ -352,7 +400,7 @@ class AppConfig(BaseModel):
         `models`, no `aliases`). `models=None`: [self], one pool as the top-level fields say."""
         if self.models is None:
             return [self]
-        base = self.model_dump(exclude={"models", "aliases"})
+        base = self.model_dump(exclude={"models", "aliases", "tier_routing"})
         out = []
         for i, pool in enumerate(self.models):
             try:

@@ -224,16 +224,18 @@ def render(model_name: str, replica_stats: list[dict], router: dict) -> bytes:
 
 def render_pools(
     pools: list[tuple[str, list[dict], dict]],
-    tier_overflows: dict[tuple[str, str, str], int] | None = None,
+    tier_overflows: dict[tuple[str, str, str, str], int] | None = None,
     routing: dict | None = None,
     roles: dict[str, list[dict]] | None = None,
+    tier_decisions: dict[tuple[str, str, str], int] | None = None,
 ) -> bytes:
     """One page for several model pools: `pools` is (model name, its engine replicas' stats, its
-    router queue's stats) per pool; every series carries its pool's `model_name`, and each family
-    has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool) -> requests moved on.
-    `routing`: this router replica's `routing_log.stats()` (per engine replica decisions).
-    `roles` (a disaggregated app): pool role ("prefill", "decode") -> its replicas' stats, for
-    the per-pool series and the KV transfer counters."""
+        router queue's stats) per pool; every series carries its pool's `model_name`, and each family
+        has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool, cause) -> requests moved
+    on; `tier_decisions`: (alias, pool, reason) -> requests that started at that pool.
+        `routing`: this router replica's `routing_log.stats()` (per engine replica decisions).
+        `roles` (a disaggregated app): pool role ("prefill", "decode") -> its replicas' stats, for
+        the per-pool series and the KV transfer counters."""
     fams: dict[str, object] = {}
 
     def family(kind, name: str, doc: str, labels: tuple[str, ...] = ("model_name",)):
@@ -325,11 +327,21 @@ def render_pools(
         moved = family(
             CounterMetricFamily,
             "tier_overflows",
-            "Requests for an alias that moved from one pool of its tier to the next (the first shed load).",
-            ("alias", "from_pool", "to_pool"),
+            "Requests for an alias that moved from one pool of its tier to the next: the first shed load "
+            "(cause=overload) or its replica failed before the first output (cause=error).",
+            ("alias", "from_pool", "to_pool", "cause"),
         )
-        for (alias, src, dst), n in sorted(tier_overflows.items()):
-            moved.add_metric([alias, src, dst], n)
+        for (alias, src, dst, cause), n in sorted(tier_overflows.items()):
+            moved.add_metric([alias, src, dst, cause], n)
+    if tier_decisions:
+        picked = family(
+            CounterMetricFamily,
+            "tier_decisions",
+            "Requests for an alias by the pool they started at and what chose it (hint, rule, classifier, default).",
+            ("alias", "pool", "reason"),
+        )
+        for (alias, pool, reason), n in sorted(tier_decisions.items()):
+            picked.add_metric([alias, pool, reason], n)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(list(fams.values())))
     return generate_latest(registry)

@@ -35,6 +35,7 @@ from router.ingress.public_bind import check_public_bind, is_loopback, serve_htt
 from router.ingress.shared_result import SharedResult
 from router.metrics import render_pools
 from router.replica_choice.registry import known_replicas
+from router.tiering.policy import HINT_HEADER
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
@@ -192,7 +193,8 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def http_completions(self, request: Request) -> Response:
-        return await self._respond(request, self.pools.completions)
+        hint = request.headers.get(HINT_HEADER)
+        return await self._respond(request, lambda body: self.pools.completions(body, hint))
 
     @app.post("/v1/watermark/detect")
     async def http_detect_watermark(self, request: Request) -> Response:
@@ -201,7 +203,8 @@ class Ingress:
 
     @app.post("/v1/chat/completions")
     async def http_chat_completions(self, request: Request) -> Response:
-        return await self._respond(request, self.pools.chat_completions)
+        hint = request.headers.get(HINT_HEADER)
+        return await self._respond(request, lambda body: self.pools.chat_completions(body, hint))
 
     @app.get("/v1/models", response_model=None)  # the annotation is not a response model
     async def http_models(self, request: Request) -> JSONResponse | dict:
@@ -303,7 +306,7 @@ class Ingress:
         roles = None
         if self.prefill is not None:  # per-pool series of a disaggregated app
             roles = {"decode": stats[0], "prefill": await self._stats(self.prefill)}
-        return render_pools(page, self.pools.overflows, routing_log.stats(), roles)
+        return render_pools(page, self.pools.overflows, routing_log.stats(), roles, self.pools.decisions)
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:
@@ -323,11 +326,11 @@ class Ingress:
 
     # --- Python handle API ------------------------------------------------------------------
 
-    async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
-        return await self._call(self.pools.completions(body))
+    async def completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
+        return await self._call(self.pools.completions(body, tier_hint))
 
-    async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
-        return await self._call(self.pools.chat_completions(body))
+    async def chat_completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
+        return await self._call(self.pools.chat_completions(body, tier_hint))
 
     async def generate(self, body: dict) -> dict | AsyncIterator[dict]:
         if body.get("stream"):

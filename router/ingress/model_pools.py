@@ -3,15 +3,18 @@ deployment's handle, tokenizer, `EngineClient` with its own router queue, `OpenA
 `TGIServing`), and `ModelPools`, which picks the pool an OpenAI request names.
 
 `model` in the body picks the pool by its served name; none (or "") picks the first pool; an
-alias (`AppConfig.aliases`) names a tier, an ordered list of pools. A request for an alias goes to
-the tier's first pool and moves to the next only when that pool sheds load: an `OverloadedError`
-(429) before the first output (the router queue's admit or the engine replica's `submit`). Any
-other error is the answer; when every pool sheds, the client gets the last pool's 429. Responses
-carry the name the client asked for. TGI routes (no model field) use the first pool.
+alias (`AppConfig.aliases`) names a tier, an ordered list of pools, smallest first. The tier's
+policy (router/tiering/policy.py: the `x-orbital-tier` hint header, the operator's rules, a
+learned classifier) picks the pool a request starts at; the request moves on to the next pool
+when its pool sheds load (`OverloadedError`, 429) or its replica fails (`moves_request`) before
+the first output. Any other error is the answer; when every later pool fails too, the client gets
+the last one's error. Responses carry the name the client asked for. TGI routes (no model field)
+use the first pool.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,9 +25,12 @@ from ray.exceptions import RayTaskError
 from router.backpressure import IngressQueue, OverloadedError
 from router.ingress.engine_client import EngineClient
 from router.ingress.errors import APIError
+from router.ingress.failover import moves_request
 from router.ingress.openai_api import OpenAIServing
 from router.ingress.openai_models import ModelCard, ModelList
 from router.ingress.tgi_api import TGIServing
+from router.tiering.features import request_features
+from router.tiering.policy import HINT_HEADER, REASONS, TierHintError, TierPolicy
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -171,19 +177,44 @@ async def _started(result: Any) -> Any:
     return _prepend(first, result)
 
 
-class ModelPools:
-    """Every pool of this ingress, in config order (the first is the default), and the aliases."""
+def overflow_cause(exc: BaseException) -> str | None:
+    """Why a request may move to the tier's next pool: "overload" (the pool shed it), "error"
+    (its replica failed, not the request), or None (the error is the answer)."""
+    if is_overloaded(exc):
+        return "overload"
+    return "error" if moves_request(exc) else None
 
-    def __init__(self, pools: list[PoolClient], aliases: dict[str, list[str]] | None = None) -> None:
+
+OVERFLOW_CAUSES = ("overload", "error")
+
+
+class ModelPools:
+    """Every pool of this ingress, in config order (the first is the default), and the aliases
+    with their tier policies."""
+
+    def __init__(
+        self,
+        pools: list[PoolClient],
+        aliases: dict[str, list[str]] | None = None,
+        policies: dict[str, TierPolicy] | None = None,
+    ) -> None:
         if not pools:
             raise ValueError("at least one model pool is needed")
         self.by_name = {p.name: p for p in pools}
         self.default = pools[0]
         self.aliases = {a: list(tier) for a, tier in (aliases or {}).items()}
-        # (alias, from pool, to pool) -> requests that moved on; every step of every tier is
-        # listed from the start, so /metrics shows the zeros.
-        self.overflows: dict[tuple[str, str, str], int] = {
-            (a, src, dst): 0 for a, tier in self.aliases.items() for src, dst in zip(tier, tier[1:])
+        self.policies = {a: (policies or {}).get(a) or TierPolicy(a, tier) for a, tier in self.aliases.items()}
+        # Every series is listed from the start, so /metrics shows the zeros.
+        # (alias, from pool, to pool, cause) -> requests that moved on;
+        self.overflows: dict[tuple[str, str, str, str], int] = {
+            (a, src, dst, cause): 0
+            for a, tier in self.aliases.items()
+            for src, dst in zip(tier, tier[1:])
+            for cause in OVERFLOW_CAUSES
+        }
+        # (alias, pool, reason) -> requests that started at that pool.
+        self.decisions: dict[tuple[str, str, str], int] = {
+            (a, p, reason): 0 for a, tier in self.aliases.items() for p in tier for reason in REASONS
         }
 
     @classmethod
@@ -195,7 +226,8 @@ class ModelPools:
         for p in cfg.pool_configs():
             handle = engines[p.model_name]
             pools.append(build_pool(await with_local_text_side(p, handle), handle))
-        return cls(pools, cfg.aliases)
+        policies = {a: TierPolicy(a, cfg.aliases[a], routing) for a, routing in cfg.tier_routing.items()}
+        return cls(pools, cfg.aliases, policies)
 
     def __iter__(self) -> Iterator[PoolClient]:
         return iter(self.by_name.values())
@@ -228,29 +260,54 @@ class ModelPools:
         model = body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None
         return await self.tier(model)[0].openai.detect_watermark({k: v for k, v in body.items() if k != "model"})
 
-    async def completions(self, body: dict) -> dict | AsyncIterator[dict]:
-        return await self._openai(body, lambda pool, name: pool.openai.completions(body, name))
+    async def completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
+        return await self._openai(body, lambda pool, name: pool.openai.completions(body, name), tier_hint)
 
-    async def chat_completions(self, body: dict) -> dict | AsyncIterator[dict]:
-        return await self._openai(body, lambda pool, name: pool.openai.chat_completions(body, name))
+    async def chat_completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
+        return await self._openai(body, lambda pool, name: pool.openai.chat_completions(body, name), tier_hint)
 
-    async def _openai(self, body: dict, call: Callable[[PoolClient, str], Awaitable]) -> dict | AsyncIterator[dict]:
+    async def _start(self, alias: str, tier: list[PoolClient], body: dict, hint: str | None) -> int:
+        """Where a request for `alias` starts in its tier (counted in `decisions`)."""
+        policy = self.policies[alias]
+        features = None
+        if policy.needs_features and not hint:
+            tokenizer = tier[0].client.tokenizer  # prompt length as the tier's first pool counts it
+            features = await asyncio.to_thread(request_features, body, lambda s: len(tokenizer(s).input_ids))
+        try:
+            decision = policy.decide(features, hint)
+        except TierHintError as e:
+            raise APIError(400, str(e), param=HINT_HEADER) from None
+        self.decisions[(alias, tier[decision.start].name, decision.reason)] += 1
+        return decision.start
+
+    async def _openai(
+        self, body: dict, call: Callable[[PoolClient, str], Awaitable], hint: str | None = None
+    ) -> dict | AsyncIterator[dict]:
         requested = body.get("model")
         # A `model` that is not a string is left to the pool's validation (400 naming the field).
         model = requested if isinstance(requested, str) and requested else None
         tier = self.tier(model)
         served_as = model or tier[0].name
-        for i, pool in enumerate(tier):
-            last = i + 1 == len(tier)
+        if model in self.aliases:
+            start = await self._start(model, tier, body, hint)
+        elif hint:
+            raise APIError(
+                400, f"{HINT_HEADER}: only a tier alias takes a hint; {served_as!r} is a pool", param=HINT_HEADER
+            )
+        else:
+            start = 0
+        for i in range(start, len(tier)):
+            pool, last = tier[i], i + 1 == len(tier)
             try:
                 result = await call(pool, served_as)
                 # A stream's errors come with its first chunk: wait for it while another pool
                 # may still take the request.
                 return result if last else await _started(result)
-            except Exception as e:  # noqa: BLE001 - only load shedding moves on
-                if last or not is_overloaded(e):
+            except Exception as e:  # noqa: BLE001 - only load shedding and replica failures move on
+                cause = None if last else overflow_cause(e)
+                if cause is None:
                     raise
                 nxt = tier[i + 1].name
-                self.overflows[(served_as, pool.name, nxt)] += 1
-                log.info("%s: pool %s is overloaded, trying %s", served_as, pool.name, nxt)
+                self.overflows[(served_as, pool.name, nxt, cause)] += 1
+                log.info("%s: pool %s failed (%s), trying %s", served_as, pool.name, cause, nxt)
         raise AssertionError("unreachable")  # the last pool returns or raises

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, WatermarkDetectRequest
 from router.ingress.response_models import SSE, SUCCESS, Health
 from router.ingress.tgi_models import GenerateRequest
+from router.tiering.policy import HINT_HEADER
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
@@ -35,6 +36,15 @@ OPENAI_ERRORS = {
     "429": "Overloaded: retry after the Retry-After header's seconds.",
     "503": "No engine replica can serve it.",
     "504": "The request's deadline passed.",
+}
+# The routes whose requests may name a tier alias, which takes the hint header.
+TIER_HINTED = {("/v1/completions", "post"), ("/v1/chat/completions", "post")}
+TIER_HINT = {
+    "name": HINT_HEADER,
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "For a tier alias: the pool of its tier the request starts at (a 400 for any other model).",
 }
 # TGI answers validation errors with 422 (router/ingress/errors.py), the rest as OpenAI does.
 TGI_ERRORS = {"422" if code == "400" else code: text for code, text in OPENAI_ERRORS.items()}
@@ -123,6 +133,8 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
                 "required": True,
                 "content": {"application/json": {"schema": _add_schema(schemas, model)}},
             }
+            if (path, method) in TIER_HINTED:
+                op["parameters"] = [*op.get("parameters", []), TIER_HINT]
             tgi = not path.startswith("/v1/")
             op["responses"].pop("422", None)  # FastAPI's own validation error: never sent
             op["responses"].update(

@@ -197,7 +197,8 @@ def test_metrics_page_with_several_pools_parses():
 
     text = render_pools(
         [("a", [replica(), replica()], {"in_flight": 1}), ("b", [replica(generation_tokens=5)], {"rejected": 3})],
-        {("t", "a", "b"): 4},
+        {("t", "a", "b", "overload"): 4, ("t", "a", "b", "error"): 0},
+        tier_decisions={("t", "a", "rule"): 2, ("t", "b", "hint"): 1},
     ).decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     # One HELP and one TYPE line per family, every pool's series under it.
@@ -215,10 +216,13 @@ def test_metrics_page_with_several_pools_parses():
     assert rejected == {"a": 0.0, "b": 3.0}
     hist = [s for s in fams["orbital:time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert sorted(s.labels["model_name"] for s in hist) == ["a", "b"]
-    (moved,) = [s for s in fams["orbital:tier_overflows"].samples if s.name.endswith("_total")]
-    assert moved.labels == {"alias": "t", "from_pool": "a", "to_pool": "b"} and moved.value == 4.0
+    moved = {s.labels["cause"]: s for s in fams["orbital:tier_overflows"].samples if s.name.endswith("_total")}
+    assert moved["overload"].labels == {"alias": "t", "from_pool": "a", "to_pool": "b", "cause": "overload"}
+    assert moved["overload"].value == 4.0 and moved["error"].value == 0.0
+    picked = {(s.labels["pool"], s.labels["reason"]): s.value for s in fams["orbital:tier_decisions"].samples}
+    assert picked == {("a", "rule"): 2.0, ("b", "hint"): 1.0}
     for fam in fams.values():
-        if fam.name != "orbital:tier_overflows":
+        if fam.name not in ("orbital:tier_overflows", "orbital:tier_decisions"):
             assert all("model_name" in s.labels for s in fam.samples), fam.name
 
 
@@ -260,6 +264,10 @@ def _pools(*fakes, aliases=None):
     return ModelPools(pools, aliases)
 
 
+def _moved(p) -> dict:
+    return {k: n for k, n in p.overflows.items() if n}
+
+
 def _run(coro):
     return asyncio.run(coro)
 
@@ -297,26 +305,26 @@ def test_tier_overflows_only_when_a_pool_sheds_load():
     b = _FakeOpenAI("b")
     p = _pools(busy, b, aliases={"t": ["a", "b"]})
     assert _run(p.completions({"model": "t"})) == {"model": "t", "served_by": "b"}
-    assert p.overflows == {("t", "a", "b"): 1}
+    assert _moved(p) == {("t", "a", "b", "overload"): 1}
     # Asking for the pool itself never overflows: its 429 is the answer.
     with pytest.raises(OverloadedError):
         _run(p.completions({"model": "a"}))
-    assert p.overflows == {("t", "a", "b"): 1}
+    assert _moved(p) == {("t", "a", "b", "overload"): 1}
     # The engine replica's 429 arrives wrapped by Ray: it moves on too.
     busy.fail = RayTaskError("submit", "tb", OverloadedError("replica full"))
     assert _run(p.completions({"model": "t"}))["served_by"] == "b"
-    assert p.overflows == {("t", "a", "b"): 2}
+    assert _moved(p) == {("t", "a", "b", "overload"): 2}
     # Any other error is the answer, and the next pool is not asked.
     busy.fail, b.calls = ValueError("bad request"), 0
     with pytest.raises(ValueError):
         _run(p.completions({"model": "t"}))
-    assert b.calls == 0 and p.overflows == {("t", "a", "b"): 2}
+    assert b.calls == 0 and _moved(p) == {("t", "a", "b", "overload"): 2}
     # Every pool sheds: the last one's 429.
     busy.fail, b.fail = OverloadedError("a full"), OverloadedError("b full", 7)
     with pytest.raises(OverloadedError) as e:
         _run(p.completions({"model": "t"}))
     assert str(e.value) == "b full" and e.value.retry_after == 7
-    assert p.overflows == {("t", "a", "b"): 3}
+    assert _moved(p) == {("t", "a", "b", "overload"): 3}
 
 
 def test_streams_overflow_before_their_first_chunk():
@@ -326,10 +334,10 @@ def test_streams_overflow_before_their_first_chunk():
     p = _pools(a, _FakeOpenAI("b"), aliases={"t": ["a", "b"]})
     chunks = _run(_drain_call(p, {"model": "t", "stream": True}))
     assert [c["served_by"] for c in chunks] == ["b", "b"] and all(c["model"] == "t" for c in chunks)
-    assert p.overflows == {("t", "a", "b"): 1}
+    assert _moved(p) == {("t", "a", "b", "overload"): 1}
     a.stream_fail = None
     chunks = _run(_drain_call(p, {"model": "t", "stream": True}))
-    assert [c["served_by"] for c in chunks] == ["a", "a"] and p.overflows == {("t", "a", "b"): 1}
+    assert [c["served_by"] for c in chunks] == ["a", "a"] and _moved(p) == {("t", "a", "b", "overload"): 1}
 
 
 async def _drain_call(p, body):

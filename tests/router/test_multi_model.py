@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 SMOL, TINY, ALIAS = "smol", "tiny", "tier"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
+LONG_PROMPT_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,8 @@ def multi(serve_cluster, tiny_dir):
             {"name": TINY, "model": tiny_dir},
         ],
         aliases={ALIAS: [SMOL, TINY]},
+        # A long prompt starts at the second pool (PROMPT is 5 tokens).
+        tier_routing={ALIAS: {"rules": [{"pool": TINY, "min_prompt_tokens": LONG_PROMPT_TOKENS}]}},
     )
     handle = serve.run(build_app(cfg), name="multi", route_prefix="/multi")
     url = f"{serve_cluster['url']}/multi"
@@ -108,7 +111,8 @@ def _finished(samples: dict, model: str) -> float:
 
 
 def _overflows(samples: dict) -> float:
-    key = ("orbital:tier_overflows_total", (("alias", ALIAS), ("from_pool", SMOL), ("to_pool", TINY)))
+    labels = (("alias", ALIAS), ("cause", "overload"), ("from_pool", SMOL), ("to_pool", TINY))
+    key = ("orbital:tier_overflows_total", labels)
     return samples[key]
 
 
@@ -245,3 +249,42 @@ def test_alias_overflows_to_the_next_pool_only_under_load(url):
     shed = next(r for r in direct if r.status_code == 429)
     assert shed.json()["error"]["code"] == "rate_limit_exceeded" and "retry-after" in shed.headers
     assert _overflows(_samples(url)) == _overflows(after)
+
+
+def _decisions(samples: dict) -> dict[tuple[str, str], float]:
+    return {
+        (dict(labels)["pool"], dict(labels)["reason"]): v
+        for (name, labels), v in samples.items()
+        if name == "orbital:tier_decisions_total" and dict(labels)["alias"] == ALIAS
+    }
+
+
+def test_the_tier_policy_picks_the_starting_pool_by_rule_and_hint(url):
+    """The app's rule sends a long prompt to the second pool; the hint header names a pool; a
+    hint that names none is a 400 naming the header. /metrics counts each decision."""
+    before = _samples(url)
+    long_prompt = "Count the ships that sailed past the lighthouse tonight. " * 6
+    routed = [
+        _complete(url, ALIAS, prompt=long_prompt),  # the rule
+        httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": ALIAS, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4},
+            headers={"x-orbital-tier": TINY},
+            timeout=120,
+        ),
+        _complete(url, ALIAS),  # short: the first pool by default
+    ]
+    assert [r.status_code for r in routed] == [200] * 3, [r.text for r in routed]
+    assert all(r.json()["model"] == ALIAS for r in routed)
+    after = _samples(url)
+    assert _finished(after, TINY) - _finished(before, TINY) == 2
+    assert _finished(after, SMOL) - _finished(before, SMOL) == 1
+    picked = {k: after_v - _decisions(before).get(k, 0) for k, after_v in _decisions(after).items()}
+    assert {k: v for k, v in picked.items() if v} == {(TINY, "rule"): 1, (TINY, "hint"): 1, (SMOL, "default"): 1}
+    bad = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": ALIAS, "prompt": "x", "max_tokens": 2},
+        headers={"x-orbital-tier": "huge"},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-orbital-tier", bad.text
