@@ -75,15 +75,15 @@ def test_the_watermark_keeps_a_request_s_tokens_batched_and_preempted(llm, chat_
 
 
 def test_the_watermark_under_speculative_decoding(llm, chat_stand_in):
-    """n-gram drafts are verified against the watermarked distribution: greedy outputs equal
-    the ones without drafts."""
+    """Drafts (the stand-in's first layer) are verified against the watermarked distribution:
+    greedy outputs equal the ones without drafts."""
     spec = LLM(
         chat_stand_in,
         dtype="float32",
         num_threads=2,
         max_model_len=512,
         kv_cache_memory_bytes=32 << 20,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+        speculative_config={"method": "self", "draft_layers": 1, "num_speculative_tokens": 4, "adaptive": False},
     )
     prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the"
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, watermark=WM)
