@@ -2,16 +2,16 @@
 ways, side by side in one run: always the small pool, always the large one, the tier's rules, and
 the learned classifier.
 
-The large pool is the embedded SmolLM2-135M; the small one its first `--small-layers` layers (a
-cut of the same checkpoint: same tokenizer, ~half the compute). The workload mixes short
-pattern-following prompts with small budgets (a list to continue, a phrase to repeat) and open
-questions with larger ones. Quality proxy: a request's greedy answer equals the large pool's
-(always-large agrees with itself by definition). Cost: the share of all tokens (prompt and
-generated) that went through the large pool. The classifier is trained (`python -m
-router.tiering train`) on a separate set of prompts labelled offline: `small` where the small
-model's greedy answer equals the large one's.
+The large pool is the embedded SmolLM2-135M in float32; the small one the same checkpoint with
+4-bit weights (`--small-quantization`), the cheap tier a deployment of one model family has. The
+workload mixes short pattern-following prompts with small budgets (a list to continue, a phrase
+to repeat) and open questions with larger ones. Quality proxy: the share of the large model's
+greedy answer a request reproduces before its first different token (always-large: 100% by
+definition). Cost: the share of all tokens (prompt and generated) that went through the large
+pool. The classifier is trained (`python -m router.tiering train`) on a separate set of prompts
+labelled offline: `small` where the small pool's greedy answer equals the large one's.
 
-    python -m bench.bench_tiers [--requests 48 --concurrency 4 --small-layers 16]
+    python -m bench.bench_tiers [--requests 48 --concurrency 4 --small-quantization int4:g32]
 """
 
 from __future__ import annotations
@@ -61,33 +61,13 @@ def workload(n: int, seed: int) -> list[dict]:
     return out
 
 
-def cut_model(src: Path, dst: Path, layers: int) -> Path:
-    """`src` (an HF directory) keeping its first `layers` decoder layers."""
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        for name, t in load_file(f).items():
-            if ".layers." not in name or int(name.split(".layers.")[1].split(".")[0]) < layers:
-                tensors[name] = t
-    save_file(tensors, dst / "model.safetensors")
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["num_hidden_layers"] = layers
-    (dst / "config.json").write_text(json.dumps(cfg))
-    for f in src.iterdir():
-        if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(f, dst / f.name)
-    return dst
-
-
-def offline_labels(small: Path, rows: list[dict]) -> list[dict]:
-    """Each row with `label`: small where the small model's greedy answer equals the large's."""
+def offline_labels(quantization: str, rows: list[dict]) -> list[dict]:
+    """Each row with `label`: small where the small pool's greedy answer equals the large's."""
     from engine import LLM, SamplingParams
 
     answers = {}
-    for name, model in (("small", str(small)), ("large", None)):
-        llm = LLM(model, dtype="float32", num_threads=2, kv_cache_memory_bytes=256 << 20)
+    for name, quant in (("small", quantization), ("large", None)):
+        llm = LLM(dtype="float32", quantization=quant, num_threads=2, kv_cache_memory_bytes=256 << 20)
         try:
             params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"]) for r in rows]
             outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
@@ -125,6 +105,19 @@ async def serve_workload(url: str, model: str, rows: list[dict], concurrency: in
     return texts, lat
 
 
+def agreement(got: tuple, want: tuple) -> float:
+    """The share of `want`'s tokens `got` reproduces before its first different token (an empty
+    answer reproduces an empty one)."""
+    if not want:
+        return float(not got)
+    n = 0
+    for a, b in zip(got, want):
+        if a != b:
+            break
+        n += 1
+    return n / len(want)
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -135,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--train", type=int, default=160, help="labelled prompts for the classifier")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--small-layers", type=int, default=16)
+    ap.add_argument("--small-quantization", default="int4:g32")
     ap.add_argument("--port", type=int, default=8123)
     args = ap.parse_args(argv)
     import torch
@@ -143,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     import ray
     from ray import serve
+    from transformers import AutoTokenizer
 
     from engine.model.loader import resolve_model_dir
     from router.app import build_app
@@ -150,20 +144,20 @@ def main(argv: list[str] | None = None) -> int:
     from router.tiering.__main__ import main as train_cli
 
     work = Path(tempfile.mkdtemp(prefix="bench-tiers-"))
-    small = cut_model(resolve_model_dir(None), work / "small", args.small_layers)
-    labelled = offline_labels(small, workload(args.train, seed=1))
+    labelled = offline_labels(args.small_quantization, workload(args.train, seed=1))
     (work / "train.jsonl").write_text("\n".join(json.dumps(r) for r in labelled) + "\n")
     print(f"training labels: {sum(r['label'] == 'small' for r in labelled)} small / {len(labelled)}")
     train_cli(
         ["train", "--data", str(work / "train.jsonl"), "--pools", "small,large", "--out", str(work / "tier.json")]
     )
     rows = workload(args.requests, seed=2)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
 
     cfg = AppConfig(
         dtype="float32",
         num_threads=1,
         kv_cache_memory_bytes=256 << 20,
-        models=[{"name": "small", "model": str(small)}, {"name": "large", "model": "default"}],
+        models=[{"name": "small", "quantization": args.small_quantization}, {"name": "large"}],
         aliases={"rules": ["small", "large"], "learned": ["small", "large"]},
         tier_routing={
             "rules": {"rules": [{"pool": "large", "min_max_tokens": 32}]},  # longer answers: the large model
@@ -181,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         for policy in ("large", "small", "rules", "learned"):
             before = pool_tokens(url)
             texts, lat = asyncio.run(serve_workload(url, policy, rows, args.concurrency))
+            texts = [tuple(tokenizer(t).input_ids) for t in texts]
             after = pool_tokens(url)
             used = {k: after[k] - before.get(k, 0.0) for k in after}
             results[policy] = (texts, lat, used["large"] / max(sum(used.values()), 1.0))
@@ -191,13 +186,15 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = results["large"][0]
     names = {"large": "always large", "small": "always small", "rules": "rules", "learned": "learned classifier"}
-    print(f"\n{args.requests} requests, {args.concurrency} at a time; small = first {args.small_layers} of 30 layers")
-    print("| policy | tokens through the large pool | answers equal to the large model's | latency p50 / p95 (s) |")
+    print(f"\n{args.requests} requests, {args.concurrency} at a time; small = {args.small_quantization} weights")
+    print(
+        "| policy | tokens through the large pool | share of the large model's answer reproduced | latency p50 / p95 (s) |"
+    )
     print("|---|---|---|---|")
     for policy, (texts, lat, share) in results.items():
-        agree = sum(t == r for t, r in zip(texts, reference)) / len(texts)
+        quality = statistics.mean(agreement(t, r) for t, r in zip(texts, reference))
         p50, p95 = statistics.median(lat), pct(lat, 0.95)
-        print(f"| {names[policy]} | {share:.0%} | {agree:.0%} | {p50:.2f} / {p95:.2f} |")
+        print(f"| {names[policy]} | {share:.0%} | {quality:.0%} | {p50:.2f} / {p95:.2f} |")
     return 0
 
 

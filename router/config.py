@@ -34,6 +34,7 @@ class ModelPool(BaseModel):
     name: str = Field(min_length=1, description="The served name: what clients pass as `model`.")
     model: str | None = Field(None, description="Local HF directory or .gguf file; `default` = embedded.")
     dtype: str | None = None  # checked as AppConfig.dtype when the pool is merged (pool_configs)
+    quantization: str | None = None  # likewise: a cheaper tier of the same checkpoint (int8, int4:g32, gguf)
     tensor_parallel_size: int | None = None
     num_replicas: int | None = None
     kv_cache_memory_bytes: int | None = None

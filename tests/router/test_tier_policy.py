@@ -79,6 +79,10 @@ def test_config_checks_the_tier_routing():
     pools = [{"name": "small"}, {"name": "large"}]
     ok = AppConfig(models=pools, aliases={"auto": ["small", "large"]}, tier_routing={"auto": {"rules": []}})
     assert all("tier_routing" not in p.model_dump(exclude_defaults=True) for p in ok.pool_configs())
+    cheap = AppConfig(models=[{"name": "small", "quantization": "int4:g32"}, {"name": "large"}])
+    assert [p.quantization for p in cheap.pool_configs()] == ["int4:g32", None]
+    with pytest.raises(ValueError, match="quantization"):
+        AppConfig(models=[{"name": "small", "quantization": "int3"}])
     with pytest.raises(ValueError, match="not an alias"):
         AppConfig(models=pools, aliases={"auto": ["small", "large"]}, tier_routing={"other": {}})
     with pytest.raises(ValueError, match="rules\\[0\\]"):
