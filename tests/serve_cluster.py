@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from router.config import AppConfig
 
 SHARED_CPUS = 8  # logical: every app of a package at once (2 cores really run them)
-_shared: dict[str, str] = {}
+_shared: dict[str, str] = {}  # "ray" once the shared cluster runs, "url" once its Serve does
 
 
 def release_ray() -> None:
@@ -33,23 +33,35 @@ def release_ray() -> None:
             ray.shutdown()
 
 
-def _start(num_cpus: int) -> str:
+def _start_ray(num_cpus: int) -> None:
     import ray
-    from ray import serve
 
     release_ray()
-    port = free_port()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+
+
+def _start_serve() -> str:
+    from ray import serve
+
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
 
 
-def shared_serve() -> str:
-    """The base URL of the shared cluster's Serve proxy, starting the cluster if none runs."""
+def shared_ray() -> None:
+    """The shared cluster's Ray (without Serve until a test asks for it), started if none runs."""
     import ray
 
     if not (_shared and ray.is_initialized()):
-        _shared["url"] = _start(SHARED_CPUS)
+        _start_ray(SHARED_CPUS)
+        _shared["ray"] = "up"
+
+
+def shared_serve() -> str:
+    """The base URL of the shared cluster's Serve proxy, starting the cluster if none runs."""
+    shared_ray()
+    if "url" not in _shared:
+        _shared["url"] = _start_serve()
     return _shared["url"]
 
 
@@ -57,8 +69,9 @@ def shared_serve() -> str:
 def local_serve(num_cpus: int) -> Iterator[str]:
     """A cluster of this test's own (the shared one is stopped first): yields the base URL of
     Serve's proxy; Serve and Ray are shut down when the block ends, whatever happened."""
+    _start_ray(num_cpus)
     try:
-        yield _start(num_cpus)
+        yield _start_serve()
     finally:
         release_ray()
 

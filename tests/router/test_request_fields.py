@@ -70,8 +70,9 @@ def test_continuous_usage_stats(base_url):
 
 
 @pytest.fixture(scope="module")
-def priority_app(serve_cluster, tmp_path_factory):
-    """One replica, one sequence at a time, the priority policy, and a watermark key."""
+def priority_app(serve_cluster, tmp_path_factory, chat_stand_in):
+    """One replica of the chat stand-in (tests/tiny_llama.py), one sequence at a time, the
+    priority policy, and a watermark key."""
     from ray import serve
 
     from router.app import build_app
@@ -79,7 +80,14 @@ def priority_app(serve_cluster, tmp_path_factory):
 
     key = tmp_path_factory.mktemp("wm") / "key"
     key.write_text("424242\n")
-    cfg = AppConfig(**BASE, num_replicas=1, max_num_seqs=1, scheduling_policy="priority", watermark_key_file=str(key))
+    cfg = AppConfig(
+        **BASE,
+        model=chat_stand_in,
+        num_replicas=1,
+        max_num_seqs=1,
+        scheduling_policy="priority",
+        watermark_key_file=str(key),
+    )
     serve.run(build_app(cfg), name="prio", route_prefix="/prio")
     url = f"{serve_cluster['url']}/prio"
     wait_healthy(url)
@@ -97,7 +105,8 @@ def _queue_then_high(url: str, low_and_high) -> list[str]:
         assert r.status_code == 200, r.text
         finished.append(name)
 
-    long = {"prompt": "Story:", "max_tokens": 200, "ignore_eos": True}
+    # ~7 s of the stand-in's decoding here: well past both sleeps below.
+    long = {"prompt": "Story:", "max_tokens": 1000, "ignore_eos": True}
     threads = [threading.Thread(target=run, args=("first", lambda: _post(url, "/v1/completions", long)))]
     threads[0].start()
     time.sleep(1.0)

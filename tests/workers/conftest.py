@@ -1,12 +1,12 @@
-"""Fixtures for tensor-parallel tests: a local Ray per module, tiny random Llamas saved as real
-HF directories, and transformers references. Every fixture shuts down what it starts."""
+"""Fixtures for tensor-parallel tests: Ray (the run's shared cluster), tiny random Llamas saved
+as real HF directories, and transformers references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.serve_cluster import release_ray
+from tests.serve_cluster import shared_ray
 from tests.tiny_llama import save_tiny_llama
 
 
@@ -29,12 +29,12 @@ def tiny_mqa_dir(tmp_path_factory, smollm_dir):
 
 @pytest.fixture(scope="module")
 def ray_local():
+    """Ray for a module's tests: the run's shared cluster (tests/serve_cluster.py), which the
+    packages after this one keep using and the run's end shuts down."""
     import ray
 
-    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    shared_ray()
     yield ray
-    ray.shutdown()
 
 
 @torch.inference_mode()
