@@ -201,6 +201,16 @@ class Ingress:
         """A text's watermark z-score and p-value under this deployment's key."""
         return await self._respond(request, self.pools.detect_watermark)
 
+    @app.post("/tokenize")
+    async def http_tokenize(self, request: Request) -> Response:
+        """vLLM's: a prompt or chat messages -> the token ids the engine would get, and their count."""
+        return await self._respond(request, self.pools.tokenize)
+
+    @app.post("/detokenize")
+    async def http_detokenize(self, request: Request) -> Response:
+        """vLLM's: token ids -> text."""
+        return await self._respond(request, self.pools.detokenize)
+
     @app.post("/v1/chat/completions")
     async def http_chat_completions(self, request: Request) -> Response:
         hint = request.headers.get(HINT_HEADER)
@@ -331,6 +341,12 @@ class Ingress:
 
     async def chat_completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
         return await self._call(self.pools.chat_completions(body, tier_hint))
+
+    async def tokenize(self, body: dict) -> dict:
+        return await self._call(self.pools.tokenize(body))
+
+    async def detokenize(self, body: dict) -> dict:
+        return await self._call(self.pools.detokenize(body))
 
     async def generate(self, body: dict) -> dict | AsyncIterator[dict]:
         if body.get("stream"):

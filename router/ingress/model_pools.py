@@ -29,6 +29,7 @@ from router.ingress.failover import moves_request
 from router.ingress.openai_api import OpenAIServing
 from router.ingress.openai_models import ModelCard, ModelList
 from router.ingress.tgi_api import TGIServing
+from router.ingress.tokenize_api import detokenize, tokenize
 from router.tiering.features import request_features
 from router.tiering.policy import HINT_HEADER, REASONS, TierHintError, TierPolicy
 
@@ -257,8 +258,19 @@ class ModelPools:
 
     async def detect_watermark(self, body: dict) -> dict:
         """/v1/watermark/detect, with the tokenizer of the pool `model` names (default: the first)."""
+        return await self._pool_of(body).openai.detect_watermark({k: v for k, v in body.items() if k != "model"})
+
+    def _pool_of(self, body: dict) -> PoolClient:
+        """The pool whose tokenizer serves a body's `model` (an alias: its tier's first pool)."""
         model = body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None
-        return await self.tier(model)[0].openai.detect_watermark({k: v for k, v in body.items() if k != "model"})
+        return self.tier(model)[0]
+
+    async def tokenize(self, body: dict) -> dict:
+        pool = self._pool_of(body)
+        return await tokenize(pool.client, pool.max_model_len, body)
+
+    async def detokenize(self, body: dict) -> dict:
+        return await detokenize(self._pool_of(body).client, body)
 
     async def completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
         return await self._openai(body, lambda pool, name: pool.openai.completions(body, name), tier_hint)

@@ -13,9 +13,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from router.ingress.errors import is_tgi_path
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, WatermarkDetectRequest
 from router.ingress.response_models import SSE, SUCCESS, Health
 from router.ingress.tgi_models import GenerateRequest
+from router.ingress.tokenize_api import DetokenizeRequest, TokenizeRequest
 from router.tiering.policy import HINT_HEADER
 
 REF = "#/components/schemas/{model}"
@@ -23,6 +25,8 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/watermark/detect", "post"): WatermarkDetectRequest,
+    ("/tokenize", "post"): TokenizeRequest,
+    ("/detokenize", "post"): DetokenizeRequest,
     ("/generate", "post"): GenerateRequest,
     ("/generate_stream", "post"): GenerateRequest,
     ("/", "post"): GenerateRequest,
@@ -135,7 +139,7 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
             }
             if (path, method) in TIER_HINTED:
                 op["parameters"] = [*op.get("parameters", []), TIER_HINT]
-            tgi = not path.startswith("/v1/")
+            tgi = is_tgi_path(path)
             op["responses"].pop("422", None)  # FastAPI's own validation error: never sent
             op["responses"].update(
                 _error_responses(TGI_ERRORS, "TGIError") if tgi else _error_responses(OPENAI_ERRORS, "OpenAIError")

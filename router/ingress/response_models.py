@@ -168,6 +168,17 @@ class WatermarkDetection(BaseModel):
     p_value: float = Field(..., description="The chance that text without the watermark scores this high.")
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int = Field(..., description="The pool's context length (prompt and output together).")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(..., description="Each token's text, with return_token_strs.")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 # --- operations -------------------------------------------------------------------------------
 
 
@@ -198,4 +209,6 @@ SUCCESS: dict[tuple[str, str], dict[str, type[BaseModel]]] = {
     ("/info", "get"): {JSON: Info},
     ("/health", "get"): {JSON: Health},
     ("/v1/watermark/detect", "post"): {JSON: WatermarkDetection},
+    ("/tokenize", "post"): {JSON: TokenizeResponse},
+    ("/detokenize", "post"): {JSON: DetokenizeResponse},
 }

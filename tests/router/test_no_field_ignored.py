@@ -72,6 +72,7 @@ TGI_SAMPLING = {
 
 RF = "tests/router/test_request_fields.py"
 OA = "tests/router/test_openai_api.py"
+TK = "tests/router/test_tokenize.py"
 # Fields whose effect is outside SamplingParams, or that are refused: the test that shows it.
 SHOWN_BY = {
     "CompletionRequest": {
@@ -112,6 +113,21 @@ SHOWN_BY = {
     "WatermarkDetectRequest": {
         "text": f"{RF}::test_watermarked_outputs_over_http_are_detected",
         "token_ids": f"{RF}::test_watermarked_outputs_over_http_are_detected",
+    },
+    "TokenizeRequest": {
+        "model": f"{TK}::test_the_model_field_picks_the_pool",
+        "prompt": f"{TK}::test_counts_equal_what_the_completion_routes_bill",
+        "messages": f"{TK}::test_counts_equal_what_the_completion_routes_bill",
+        "add_special_tokens": f"{TK}::test_each_field_changes_the_ids",
+        "return_token_strs": f"{TK}::test_counts_equal_what_the_completion_routes_bill",
+        "add_generation_prompt": f"{TK}::test_each_field_changes_the_ids",
+        "continue_final_message": f"{TK}::test_each_field_changes_the_ids",
+        "chat_template_kwargs": f"{TK}::test_each_field_changes_the_ids",
+        "tools": f"{TK}::test_each_field_changes_the_ids",
+    },
+    "DetokenizeRequest": {
+        "model": f"{TK}::test_the_model_field_picks_the_pool",
+        "tokens": f"{TK}::test_counts_equal_what_the_completion_routes_bill",
     },
     "GenerateRequest": {
         "inputs": "tests/router/test_tgi_api.py::test_text_generation",
