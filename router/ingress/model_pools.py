@@ -6,8 +6,8 @@ deployment's handle, tokenizer, `EngineClient` with its own router queue, `OpenA
 alias (`AppConfig.aliases`) names a tier, an ordered list of pools, smallest first. The tier's
 policy (router/tiering/policy.py: the `x-orbital-tier` hint header, the operator's rules, a
 learned classifier) picks the pool a request starts at; the request moves on to the next pool
-when its pool sheds load (`OverloadedError`, 429) or its replica fails (`moves_request`) before
-the first output. Any other error is the answer; when every later pool fails too, the client gets
+when its pool sheds load (`OverloadedError`, 429) or fails it with a replica's failure
+(`moves_request`: the pool's own failover could not move it) before the first output. Any other error is the answer; when every later pool fails too, the client gets
 the last one's error. Responses carry the name the client asked for. TGI routes (no model field)
 use the first pool.
 """
