@@ -288,4 +288,3 @@ def test_the_tier_policy_picks_the_starting_pool_by_rule_and_hint(url):
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-orbital-tier", bad.text
-
