@@ -29,7 +29,7 @@ from router.ingress.openai_models import (
     WatermarkDetectRequest,
 )
 from router.ingress.openai_sampling import sampling_params
-from router.ingress.openai_tools import ToolMode, assistant_message, request_message
+from router.ingress.openai_tools import ToolMode, assistant_message, chat_template_arguments, request_message
 from router.ingress.streams import collect, merge
 from router.ingress.tool_parsers import ContentStream
 
@@ -264,12 +264,13 @@ class OpenAIServing:
                 raise InvalidRequestError("tool calls exclude response_format and structured_outputs", "tool_choice")
             params = dataclasses.replace(params, structured_output=held_calls)
         messages = [request_message(m) for m in req.messages]
-        kwargs = self.client.inputs.template_variables(req.chat_template_kwargs or {})
-        if tools.template_tools():
-            kwargs["tools"] = tools.template_tools()
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
-        kwargs["add_generation_prompt"] = req.add_generation_prompt and not req.continue_final_message
+        kwargs = chat_template_arguments(
+            self.client.inputs,
+            req.chat_template_kwargs,
+            tools.template_tools(),
+            req.continue_final_message,
+            req.add_generation_prompt,
+        )
         text, ids = await self.client.text_work(1, lambda: self.client.inputs.tokenize_chat(messages, **kwargs))
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             text, ids = None, self.client.inputs.truncate(ids, params)

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import json
 import secrets
+from typing import TYPE_CHECKING, Iterable
 
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from router.ingress.openai_models import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from router.ingress.tool_parsers import parse
+
+if TYPE_CHECKING:
+    from engine.text.input_processor import InputProcessor
+    from router.ingress.openai_models import FunctionDefinition
 
 ANY_OBJECT = {"type": "object"}
 
@@ -63,9 +68,7 @@ class ToolMode:
 
     def template_tools(self) -> list[dict] | None:
         """The tools as chat templates take them (None: no tools)."""
-        if not self.tools:
-            return None
-        return [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.tools.values()]
+        return template_tools(self.tools.values())
 
     def constraint(self) -> StructuredOutput | None:
         if self.named is not None:
@@ -140,3 +143,27 @@ def assistant_message(text: str, finish_reason: str | None, tools: ToolMode) -> 
     if calls:
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": text, "tool_calls": []}, finish_reason
+
+
+def template_tools(functions: Iterable[FunctionDefinition]) -> list[dict] | None:
+    """Function definitions as chat templates take them (None: no tools)."""
+    out = [{"type": "function", "function": f.model_dump(exclude_none=True)} for f in functions]
+    return out or None
+
+
+def chat_template_arguments(
+    inputs: InputProcessor,
+    requested: dict | None,
+    tools: list[dict] | None,
+    continue_final_message: bool,
+    add_generation_prompt: bool,
+) -> dict:
+    """apply_chat_template's keyword arguments for a chat request: the template variables the
+    client may set, the tools, and how the last turn ends (chat completions and /tokenize)."""
+    kwargs = inputs.template_variables(requested or {})
+    if tools:
+        kwargs["tools"] = tools
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    kwargs["add_generation_prompt"] = add_generation_prompt and not continue_final_message
+    return kwargs

@@ -12,7 +12,7 @@ from pydantic import Field
 from engine.errors import InvalidRequestError
 from router.ingress.errors import parse_body
 from router.ingress.openai_models import ChatMessage, TokenId, Tool, _Request
-from router.ingress.openai_tools import request_message
+from router.ingress.openai_tools import chat_template_arguments, request_message, template_tools
 
 if TYPE_CHECKING:
     from router.ingress.engine_client import EngineClient
@@ -43,17 +43,14 @@ class DetokenizeRequest(_Request):
 
 
 def _chat_ids(client: EngineClient, req: TokenizeRequest) -> list[int]:
-    inputs = client.inputs
-    kwargs = inputs.template_variables(req.chat_template_kwargs or {})
-    if req.tools:
-        kwargs["tools"] = [
-            {"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in req.tools
-        ]
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
-    add_generation = True if req.add_generation_prompt is None else req.add_generation_prompt
-    kwargs["add_generation_prompt"] = add_generation and not req.continue_final_message
-    text, ids = inputs.tokenize_chat([request_message(m) for m in req.messages], **kwargs)
+    kwargs = chat_template_arguments(
+        client.inputs,
+        req.chat_template_kwargs,
+        template_tools(t.function for t in req.tools or []),
+        bool(req.continue_final_message),
+        req.add_generation_prompt is not False,  # default true
+    )
+    text, ids = client.inputs.tokenize_chat([request_message(m) for m in req.messages], **kwargs)
     return client.tokenizer(text, add_special_tokens=True).input_ids if req.add_special_tokens else ids
 
 

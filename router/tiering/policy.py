@@ -11,7 +11,7 @@ from router.tiering.classifier import TierClassifier
 from router.tiering.features import RequestFeatures
 
 if TYPE_CHECKING:
-    from router.config import TierRouting, TierRule
+    from router.tiering.settings import TierRouting, TierRule
 
 HINT_HEADER = "x-orbital-tier"  # names the pool of the tier a request starts at
 REASONS = ("hint", "rule", "classifier", "default")

@@ -12,10 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.config import AppConfig, TierRouting
+from router.config import AppConfig
 from router.tiering.classifier import TierClassifier, accuracy, train
 from router.tiering.features import RequestFeatures, request_features
 from router.tiering.policy import HINT_HEADER, TierHintError, TierPolicy
+from router.tiering.settings import TierRouting
 from tests.router.test_model_pools_config import _FakeOpenAI, _moved
 
 
