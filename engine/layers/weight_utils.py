@@ -51,6 +51,9 @@ def copy_rows_into(param: torch.Tensor, offset: int, w: Weight) -> None:
             raise ValueError(f"weight shape {w.shape} does not fit parameter {tuple(param.shape)} at row {offset}")
         param.__dict__.setdefault("block_parts", []).append((offset, w))
         return
+    # Float rows beside blocks in one fused parameter (a GGUF's q in F16, its k and v quantized):
+    # quant/apply.py then keeps the whole parameter in float.
+    param.__dict__["has_float_rows"] = True
     copy_into(param.data.narrow(0, offset, shape_of(w)[0]), w)
 
 

@@ -1,7 +1,8 @@
 """A GGUF file's tensors under Hugging Face Llama names, one tensor at a time.
 
-Q8_0 / Q4_0 / Q4_1 weights come out as BlockQuantized (their integers and per-block scale and
-min, decoded from the bytes, never float); other types as float32 tensors. llama.cpp's
+Weights of the kinds gguf_blocks.py decodes (Q8_0, Q4_0/1, Q5_0/1, Q2_K..Q6_K) come out as
+BlockQuantized (their integers and per-group scale and min, never float); other types as float32
+tensors with gguf's own dequantized values; a type neither can read is refused by name. llama.cpp's
 converter permutes the rows of q and k (rotary halves interleaved); we undo it exactly as
 transformers' GGUF loader does, on whole rows, so quantized rows move with their scales.
 """
@@ -15,7 +16,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engine.layers.quant.blocks import BLOCK, BlockQuantized
+from engine.layers.quant.blocks import BlockQuantized
+from engine.model.gguf_blocks import BLOCK_KINDS, decode_blocks
 
 _LAYER = {
     "attn_norm": "input_layernorm",
@@ -44,29 +46,22 @@ def hf_name(gguf_name: str) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
 
 
-def decode_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> BlockQuantized:
-    """Bytes [rows, cols / 32 * block bytes] -> BlockQuantized, laid out as ggml lays them out."""
-    b = torch.from_numpy(np.array(raw, copy=True).reshape(rows * cols // BLOCK, -1))
-    d = b[:, :2].contiguous().view(torch.float16).float()  # [blocks, 1]
-    if kind == "Q8_0":
-        q = b[:, 2:].contiguous().view(torch.int8)
-        return _shaped(q, d, torch.zeros_like(d), 8, kind, rows, cols)
-    if kind == "Q4_0":
-        m, qs = -8 * d, b[:, 2:]
-    elif kind == "Q4_1":
-        m, qs = b[:, 2:4].contiguous().view(torch.float16).float(), b[:, 4:]
-    else:
-        raise ValueError(f"{kind} blocks are not loaded as they are")
-    q = torch.cat([qs & 15, qs >> 4], dim=1)  # low nibbles are values 0..15, high ones 16..31
-    return _shaped(q, d, m, 4, kind, rows, cols)
+def tensor_weight(
+    raw: np.ndarray, kind: str, shape: list[int], keep_blocks: bool = True
+) -> torch.Tensor | BlockQuantized:
+    """One GGUF tensor's data -> BlockQuantized (a 2-D weight of a kind gguf_blocks.py decodes)
+    or float32 with exactly `gguf.quants.dequantize`'s values; a kind gguf cannot dequantize
+    either is refused by name, never read as another."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
 
-
-def _shaped(q, d, m, bits, kind, rows, cols) -> BlockQuantized:
-    nb = cols // BLOCK
-    return BlockQuantized(q.reshape(rows, cols), d.reshape(rows, nb), m.reshape(rows, nb), bits, kind)
-
-
-BLOCK_KINDS = ("Q8_0", "Q4_0", "Q4_1")
+    if keep_blocks and kind in BLOCK_KINDS and len(shape) == 2:
+        return decode_blocks(raw, kind, *shape)
+    try:
+        values = dequantize(raw, GGMLQuantizationType[kind])
+    except (NotImplementedError, KeyError) as e:
+        raise ValueError(f"GGUF tensor type {kind} cannot be loaded: neither decoded as blocks nor dequantized ({e})")
+    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -79,7 +74,6 @@ def iterate_gguf_weights(path: str | Path, hf_config: object, keep_blocks: bool 
     """Yield (HF name, float32 tensor or BlockQuantized). keep_blocks=False: every tensor as
     float32 (still one at a time)."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     reader = GGUFReader(str(path))
     heads = {"q_proj": hf_config.num_attention_heads, "k_proj": hf_config.num_key_value_heads}
@@ -87,14 +81,11 @@ def iterate_gguf_weights(path: str | Path, hf_config: object, keep_blocks: bool 
         name = hf_name(t.name)
         if name is None:
             continue
-        kind = t.tensor_type.name
         shape = [int(x) for x in reversed(t.shape.tolist())]  # ggml lists the fastest dimension first
-        if kind in BLOCK_KINDS and len(shape) == 2:
-            w = decode_blocks(t.data, kind, *shape)
-            if not keep_blocks:
-                w = w.dequantize()
-        else:
-            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape))
+        try:
+            w = tensor_weight(t.data, t.tensor_type.name, shape, keep_blocks)
+        except ValueError as e:
+            raise ValueError(f"{path}: {t.name}: {e}") from None
         proj = name.split(".")[-2]
         if proj in heads and name.endswith(".weight"):
             order = unpermute_rows(shape[0], heads[proj])

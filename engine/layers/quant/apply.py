@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.quant.blocks import BLOCK, BlockQuantized, assemble
+from engine.layers.quant.blocks import BlockQuantized, assemble
 from engine.layers.quant.cuda_int4 import pack_int4_cuda
 from engine.layers.quant.int4 import small_linear_ops
 from engine.layers.quant.int4_format import group_size_for, pack_int4, quantize_groups, quantize_int4
@@ -18,19 +18,22 @@ def has_blocks(param: torch.Tensor) -> bool:
 
 
 def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False) -> torch.Tensor:
-    """GGUF blocks the loader left on the parameter are packed as they are (8-bit Q8_0 values
-    as two nibbles, int4_format.py); a float weight is quantized per `spec` ("gguf": stays float).
+    """GGUF blocks the loader left on the parameter are packed as they are (8-bit values as two
+    nibbles, int4_format.py), or written out as float where float rows share the parameter; a
+    float weight is quantized per `spec` ("gguf": stays float).
     On CUDA int4 goes to tinygemm's pack (cuda_int4.py; `keep_rows`: an embedding's lookup
     needs plain rows too); int8 runs int8.py's kernels, or the int4 op as two nibbles where that
     runs (int8_as_nibbles)."""
     cuda = param.device.type == "cuda"
     if has_blocks(param):
         w = assemble(param.block_parts, param.shape[0])
+        if getattr(param, "has_float_rows", False) or (cuda and w.group not in CUDA_GROUPS):
+            return _as_float(param, w)
         q, scale, minimum = w.as_nibbles(split=w.bits == 8)
         if cuda:
             q, scale, minimum = (t.to(param.device) for t in (q, scale, minimum))
-            return pack_int4_cuda(q, scale, minimum, BLOCK, split=w.bits == 8, keep_rows=keep_rows)
-        return pack_int4(q, scale, minimum, BLOCK, split=w.bits == 8)
+            return pack_int4_cuda(q, scale, minimum, w.group, split=w.bits == 8, keep_rows=keep_rows)
+        return pack_int4(q, scale, minimum, w.group, split=w.bits == 8)
     if spec.method == "int8":
         return int8_as_nibbles(quantize_int8(param))
     if spec.method == "int4":
@@ -38,6 +41,21 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
         if cuda:
             return pack_int4_cuda(*quantize_groups(param, group), group, keep_rows=keep_rows)
         return quantize_int4(param, group)
+    return param
+
+
+CUDA_GROUPS = (32, 64, 128, 256)  # tinygemm's group sizes
+
+
+def _as_float(param: torch.Tensor, w: BlockQuantized) -> torch.Tensor:
+    """A parameter whose pieces are partly float and partly blocks (or blocks the device's kernel
+    cannot group): the blocks' rows written as their exact float values beside the float rows."""
+    covered = torch.zeros(param.shape[0], dtype=torch.bool)
+    for off, p in param.block_parts:
+        covered[off : off + p.shape[0]] = True
+    rows = covered.nonzero().squeeze(1)
+    param.data[rows.to(param.device)] = w.dequantize()[rows].to(param.device, param.dtype)
+    del param.block_parts
     return param
 
 

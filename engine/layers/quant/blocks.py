@@ -1,6 +1,6 @@
-"""A block-quantized checkpoint tensor (a GGUF Q8_0 / Q4_0 / Q4_1 weight, decoded from its bytes
-but not to float): integer values and a float scale and min per block of 32 inputs, so that the
-weight is `q * scale + min`. It slices like a tensor (rows, or whole blocks of columns), so the
+"""A block-quantized checkpoint tensor (a GGUF weight, decoded from its bytes but not to float:
+engine/model/gguf_blocks.py): integer values and a float scale and min per group of 16 or 32
+inputs, so that the weight is `q * scale + min`. It slices like a tensor (rows, or whole blocks of columns), so the
 tensor-parallel weight loaders cut it as they cut float weights; the layers then pack it for the
 int4 kernel (int4.py) without a float round trip.
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK = 32
+BLOCK = 32  # the usual group (Q8_0, Q4_*, Q5_*, Q4_K, Q5_K); Q2_K, Q3_K and Q6_K have 16
 
 
 @dataclass
@@ -21,6 +21,7 @@ class BlockQuantized:
     minimum: torch.Tensor  # [N, K / BLOCK] float32
     bits: int
     kind: str = ""  # the GGUF type it came from, for messages
+    group: int = BLOCK  # inputs per scale and min
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -28,34 +29,51 @@ class BlockQuantized:
 
     def narrow(self, dim: int, start: int, length: int) -> BlockQuantized:
         if dim == 1:
-            if start % BLOCK or length % BLOCK:
-                raise ValueError(f"a {self.kind} weight is sliced by whole blocks of {BLOCK} inputs")
-            bs, bl = start // BLOCK, length // BLOCK
+            g = self.group
+            if start % g or length % g:
+                raise ValueError(f"a {self.kind} weight is sliced by whole groups of {g} inputs")
+            bs, bl = start // g, length // g
             return BlockQuantized(
                 self.q[:, start : start + length],
                 self.scale[:, bs : bs + bl],
                 self.minimum[:, bs : bs + bl],
                 self.bits,
                 self.kind,
+                g,
             )
         sl = slice(start, start + length)
-        return BlockQuantized(self.q[sl], self.scale[sl], self.minimum[sl], self.bits, self.kind)
+        return BlockQuantized(self.q[sl], self.scale[sl], self.minimum[sl], self.bits, self.kind, self.group)
 
     def index_rows(self, rows: torch.Tensor) -> BlockQuantized:
-        return BlockQuantized(self.q[rows], self.scale[rows], self.minimum[rows], self.bits, self.kind)
+        return BlockQuantized(self.q[rows], self.scale[rows], self.minimum[rows], self.bits, self.kind, self.group)
+
+    def regrouped(self, group: int) -> BlockQuantized:
+        """The same values with a smaller group that divides this one (each scale and min repeated):
+        exact, so that pieces with different groups share one packed weight."""
+        if group == self.group:
+            return self
+        r = self.group // group
+        return BlockQuantized(
+            self.q,
+            self.scale.repeat_interleave(r, dim=1),
+            self.minimum.repeat_interleave(r, dim=1),
+            self.bits,
+            self.kind,
+            group,
+        )
 
     def dequantize(self) -> torch.Tensor:
         """Float32, computed as gguf's dequantize computes it (so the values are equal)."""
         n, k = self.shape
-        q = self.q.float().view(n, k // BLOCK, BLOCK)
+        q = self.q.float().view(n, k // self.group, self.group)
         return (q * self.scale[..., None] + self.minimum[..., None]).view(n, k)
 
     def as_nibbles(self, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q 0..15, scale, min) for int4_format.pack_int4; `split` (any 8-bit part in the weight):
-        [hi | lo] halves along the inputs, q = 16 * hi + lo, hi shifted by 8 into 0..15."""
+        [hi | lo] halves along the inputs, q = 16 * hi + lo, hi shifted by 8 into 0..15, the min
+        on the lo half."""
         if not split:
             return self.q, self.scale, self.minimum
-        zeros = torch.zeros_like(self.scale)
         q = self.q.to(torch.int16)
         hi = torch.div(q, 16, rounding_mode="floor")  # -8..7
         lo = (q - 16 * hi).to(torch.uint8)
@@ -63,23 +81,28 @@ class BlockQuantized:
         return (
             torch.cat([(hi + 8).to(torch.uint8), lo], 1),
             torch.cat([scale_hi, self.scale], 1),
-            torch.cat([-8 * scale_hi + self.minimum, zeros], 1),
+            torch.cat([-8 * scale_hi, self.minimum], 1),  # the hi half's value 16 d hi is exact
         )
 
 
 def assemble(parts: list[tuple[int, BlockQuantized]], rows: int) -> BlockQuantized:
-    """Row pieces (offset, block weight) of one parameter -> the whole [rows, K]; rows no piece
-    covers (a padded vocabulary shard) are zeros."""
+    """Row pieces (offset, block weight) of one parameter -> the whole [rows, K] in the widest
+    bits and the smallest group among them; rows no piece covers (a padded vocabulary shard) are
+    zeros."""
     first = parts[0][1]
     k = first.shape[1]
     bits = max(p.bits for _, p in parts)
+    group = min(p.group for _, p in parts)
     dtype = torch.int8 if bits == 8 else torch.uint8
     q = torch.zeros(rows, k, dtype=dtype)
-    scale = torch.zeros(rows, k // BLOCK)
-    minimum = torch.zeros(rows, k // BLOCK)
+    scale = torch.zeros(rows, k // group)
+    minimum = torch.zeros(rows, k // group)
+    kinds = []
     for off, p in parts:
-        if p.bits != bits:  # a 4-bit piece beside 8-bit ones: as 8-bit q - 8, min + 8 scale
-            p = BlockQuantized(p.q.to(torch.int16).sub(8).to(torch.int8), p.scale, p.minimum + 8 * p.scale, 8, p.kind)
+        kinds += [p.kind] if p.kind not in kinds else []
+        p = p.regrouped(group)
+        if p.bits != bits:  # a 4-bit piece beside 8-bit ones: its 0..15 held as int8, the same values
+            p = BlockQuantized(p.q.to(torch.int8), p.scale, p.minimum, 8, p.kind, group)
         n = p.shape[0]
         q[off : off + n], scale[off : off + n], minimum[off : off + n] = p.q, p.scale, p.minimum
-    return BlockQuantized(q, scale, minimum, bits, first.kind)
+    return BlockQuantized(q, scale, minimum, bits, "+".join(kinds), group)
