@@ -7,6 +7,6 @@ from __future__ import annotations
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # "auto": bf16 where fast (model_config.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # "auto": the model's dtype
-QUANTIZATION_METHODS = ("int8", "int4", "int4:g32", "int4:g64", "int4:g128", "gguf")  # or None
+QUANTIZATION_METHODS = ("int8", "int4", "int4:g32", "int4:g64", "int4:g128", "gguf", "gptq", "awq")  # or None
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self")

@@ -36,7 +36,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         "--quantization",
         default=EngineArgs.quantization,
         choices=list(METHODS),
-        help="weight-only: int8, int4[:g32|g64|g128] quantized at load, or gguf (a GGUF's own Q8_0/Q4_0/Q4_1 blocks)",
+        help="weight-only: int8, int4[:g32|g64|g128] quantized at load, gguf (a GGUF's own blocks, K-quants included), gptq or awq (the checkpoint's own; taken from its quantization_config when unset)",
     )
     p.add_argument(
         "--kv-cache-dtype",

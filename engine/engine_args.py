@@ -42,7 +42,8 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     # Weight-only quantization of the linear layers and the LM head: "int8" (per output channel)
     # or "int4" / "int4:g32|g64|g128" (group-wise) quantized at load, "gguf" (a GGUF model's own
-    # Q8_0/Q4_0/Q4_1 blocks); None keeps the checkpoint's float weights (engine/layers/quant/).
+    # blocks: Q8_0, Q4_*, Q5_*, Q2_K..Q6_K), "gptq" / "awq" (the checkpoint's own integers); None
+    # keeps the checkpoint's float weights, or a GPTQ / AWQ checkpoint's (engine/layers/quant/).
     quantization: str | None = None
     # The KV cache's storage: "auto" (the model's dtype), "int8" or "fp8_e4m3" (per-token, per-head
     # scales, no calibration: engine/layers/attention/kv_quant.py), about 1.9x the tokens of bf16.

@@ -62,7 +62,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     served_name: str
-    quantization: str | None = None  # weight-only ("int8", "int4[:gN]", "gguf"): engine/layers/quant/
+    quantization: str | None = None  # weight-only ("int8", "int4[:gN]", "gguf", "gptq", "awq"): engine/layers/quant/
     gguf_file: Path | None = None  # quantization="gguf": the file whose blocks are loaded
 
     @property
@@ -82,6 +82,25 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+
+def checkpoint_method(hf_config: object, quantization: str | None) -> str | None:
+    """A GPTQ / AWQ checkpoint's method (its quantization_config) when the setting is None; a
+    setting that disagrees with the checkpoint is refused (its weights are already integers)."""
+    from engine.model.gptq_awq import METHODS, checkpoint_quantization
+
+    q = checkpoint_quantization(hf_config)
+    if q is None:
+        if quantization in METHODS:
+            raise InvalidRequestError(
+                f"quantization={quantization!r} needs a {quantization} checkpoint; this model has no quantization_config"
+            )
+        return quantization
+    if quantization not in (None, q.method):
+        raise InvalidRequestError(
+            f"this checkpoint is {q.method}-quantized; quantization={quantization!r} cannot apply to it"
+        )
+    return q.method
 
 
 def build_model_config(
@@ -106,6 +125,7 @@ def build_model_config(
         raise InvalidRequestError(f"quantization='gguf' loads a GGUF file's blocks; {model!r} is not a .gguf file")
     model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
     cfg = AutoConfig.from_pretrained(model_dir)
+    quantization = checkpoint_method(cfg, quantization)
     limit = cfg.max_position_embeddings
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         limit = min(limit, cfg.sliding_window)  # the reference backend has no sliding window

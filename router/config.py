@@ -66,7 +66,7 @@ class AppConfig(BaseModel):
     quantization: Literal[choices.QUANTIZATION_METHODS] | None = Field(
         _E.quantization,
         description="Weight-only quantization: int8 (per output channel) or int4 (group-wise, :gN the group "
-        "size) quantized at load; gguf: a GGUF model's own Q8_0/Q4_0/Q4_1 blocks as they are; None: float.",
+        "size) quantized at load; gguf: a GGUF model's own blocks (K-quants included) as they are; gptq / awq: the checkpoint's own integers (None takes them from its quantization_config); None: float.",
     )
     kv_cache_dtype: Literal[choices.KV_CACHE_DTYPES] = Field(
         _E.kv_cache_dtype,

@@ -78,7 +78,8 @@ def load_model(
     gguf_file: Path | None = None,
 ) -> LlamaForCausalLM:
     """`quantization` (quant/spec.py): each rank quantizes its own shards after loading (scales
-    stay with their rows) instead of packing them; "gguf" reads `gguf_file`'s blocks as they are.
+    stay with their rows) instead of packing them; "gguf" reads `gguf_file`'s blocks as they are,
+    "gptq" / "awq" the checkpoint's own integers and scales (gptq_awq.py).
     The quantized shard is saved once (quant_checkpoint.py) and read back on the next start."""
     from engine.distributed import get_tp_group
     from engine.layers.quant import parse_quantization
@@ -105,6 +106,10 @@ def load_model(
             from engine.model.gguf_weights import iterate_gguf_weights
 
             model.load_weights(iterate_gguf_weights(gguf_file, hf_config))
+        elif spec.method in ("gptq", "awq"):
+            from engine.model.gptq_awq import checkpoint_quantization, iterate_quantized_weights
+
+            model.load_weights(iterate_quantized_weights(sources, checkpoint_quantization(hf_config)))
         else:
             model.load_weights(iterate_weights(model_dir))
         for module in model.modules():

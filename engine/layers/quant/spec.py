@@ -2,7 +2,9 @@
 
 "int8"                     per output channel, quantized at load
 "int4", "int4:g32|64|128"  group-wise (asymmetric: scale and min per group), at load
-"gguf"                     a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks, loaded as they are
+"gguf"                     a GGUF file's own blocks (Q8_0, Q4_*, Q5_*, Q2_K..Q6_K), loaded as they are
+"gptq", "awq"              a GPTQ / AWQ checkpoint's own integers and scales (engine/model/gptq_awq.py);
+                           taken from the checkpoint's quantization_config when the setting is None
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ INT4_DEFAULT_GROUP = 32  # measured: SmolLM2 perplexity +2.8% at g32 (g64 +4.2%,
 
 @dataclass(frozen=True)
 class QuantSpec:
-    method: str  # "int8" | "int4" | "gguf"
+    method: str  # "int8" | "int4" | "gguf" | "gptq" | "awq"
     group_size: int | None = None  # int4 only
 
     def __str__(self) -> str:
