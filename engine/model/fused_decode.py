@@ -119,6 +119,8 @@ class FusedDecode:
             return None
         norms, parts, rows = [], [], []
         for layer in model.layers:
+            if not hasattr(layer.mlp, "gate_up_proj"):
+                return None  # a mixture-of-experts layer: its experts run one by one
             attn = layer.self_attn
             if not isinstance(attn.attn.backend, CpuPagedAttentionBackend):
                 return None

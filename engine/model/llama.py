@@ -1,5 +1,6 @@
 """Llama-family decoder in the project's own code: Llama 2/3 (llama3 RoPE scaling), Mistral,
-Qwen2 (QKV bias), SmolLM2; GQA/MQA; tied embeddings. Tensor-parallel through its layers.
+Qwen2 (QKV bias), SmolLM2, and the mixture-of-experts Mixtral and Qwen2-MoE (layers/moe.py);
+GQA/MQA; tied embeddings. Tensor-parallel through its layers (experts: expert-parallel).
 
 Parameter names follow Hugging Face checkpoints except the fused `qkv_proj` and
 `gate_up_proj`, which `load_weights` fills from the separate q/k/v and gate/up tensors.
@@ -15,6 +16,7 @@ from torch import nn
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.moe import SparseMoE, is_moe_layer
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -24,7 +26,13 @@ from engine.model.fused_decode import FusedDecode
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+}
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED = [
@@ -43,7 +51,7 @@ def head_dim_of(config: PretrainedConfig) -> int:
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
         super().__init__()
-        qwen2 = config.model_type == "qwen2"
+        qwen2 = config.model_type in ("qwen2", "qwen2_moe")
         attn_bias = bool(getattr(config, "attention_bias", False))
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -72,12 +80,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
         self.act = SiluAndMul()
@@ -86,11 +94,19 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def feed_forward(config: PretrainedConfig, layer_index: int, dtype: torch.dtype) -> nn.Module:
+    """A layer's MLP: dense, or mixture-of-experts (layers/moe.py) with Qwen2-MoE's shared expert."""
+    if not is_moe_layer(config, layer_index):
+        return LlamaMLP(config, dtype)
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    return SparseMoE(config, dtype, LlamaMLP(config, dtype, shared) if shared else None)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = feed_forward(config, index, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -111,7 +127,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, dtype) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, dtype, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self._fused: FusedDecode | None | bool = False  # False: not built yet (weights load first)
 
@@ -161,9 +179,15 @@ class LlamaForCausalLM(nn.Module):
         """Load (name, tensor-or-lazy-slice) pairs; returns the parameter names filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        moe = {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoE)}
         for name, w in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if moe and name.startswith("model.layers."):
+                block = moe.get(int(name.split(".")[2]))
+                name = block.checkpoint_name(name) if block is not None else name
+                if name is None:
+                    continue  # an expert another rank holds
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
             for frag, fused, shard in _STACKED:
