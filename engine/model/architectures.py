@@ -1,7 +1,7 @@
 """The decoder architectures the engine implements and how each differs from Llama.
 
 Every one runs through engine/model/llama.py's layers; an `Architecture` names the differences
-that layer code reads (biases, per-head q/k norms).
+that layer code reads (biases, per-head q/k norms, fused checkpoint tensors).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ class Architecture:
     qkv_bias: bool | None = None  # None: the config's attention_bias
     o_bias: bool | None = None  # None: the config's attention_bias
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj whole (Phi-3)
     hidden_act: str = "silu"
 
 
@@ -29,6 +30,7 @@ ARCHITECTURES = {
         Architecture("MistralForCausalLM"),
         Architecture("Qwen2ForCausalLM", qkv_bias=True, o_bias=False),
         Architecture("Qwen3ForCausalLM", qk_norm=True),
+        Architecture("Phi3ForCausalLM", qkv_bias=False, o_bias=False, fused_checkpoint=True),
     )
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)

@@ -1,11 +1,12 @@
 """Llama-family decoder in the project's own code: Llama 2/3 (llama3 RoPE scaling), Mistral,
-Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), SmolLM2; GQA/MQA; tied embeddings.
-Tensor-parallel through its layers. How each architecture differs is
-engine/model/architectures.py; config fields the engine does not implement are refused at
-construction (engine/model/config_check.py).
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused checkpoint tensors, partial
+rotary), SmolLM2; GQA/MQA; tied embeddings. Tensor-parallel through its layers. How each
+architecture differs is engine/model/architectures.py; config fields the engine does not
+implement are refused at construction (engine/model/config_check.py).
 
-Parameter names follow Hugging Face checkpoints except the fused `qkv_proj` and
-`gate_up_proj`, which `load_weights` fills from the separate q/k/v and gate/up tensors.
+Parameter names follow Hugging Face checkpoints. The fused `qkv_proj` and `gate_up_proj` are
+filled from the separate q/k/v and gate/up tensors, or, for a checkpoint that stores them fused
+(Phi-3), from each fused tensor cut into its parts, so each rank keeps its own heads of each part.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.weight_utils import default_weight_loader
+from engine.layers.weight_utils import default_weight_loader, shape_of
 from engine.model.architectures import SUPPORTED_ARCHITECTURES, Architecture  # noqa: F401 - named from here
 from engine.model.config_check import check_model_config
+from engine.model.fused_checkpoint import RowWindow, row_window
 from engine.model.fused_decode import FusedDecode
 
 if TYPE_CHECKING:
@@ -188,6 +190,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
+            if self.arch.fused_checkpoint and (parts := self._fused_parts(name, w)) is not None:
+                param = params[name]
+                for shard, part in parts:
+                    param.weight_loader(param, part, shard)
+                loaded.add(name)
+                continue
             for frag, fused, shard in _STACKED:
                 if frag in name:
                     target = name.replace(frag, fused)
@@ -207,3 +215,29 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
         return loaded
+
+    def _fused_parts(self, name: str, w: object) -> list[tuple[str | int, RowWindow | torch.Tensor]] | None:
+        """A fused checkpoint tensor (`qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows)
+        as (shard id, its rows) for the fused layer's loader, which keeps this rank's heads of
+        each part; None for any other tensor. Loading the whole tensor as one would give each
+        rank a contiguous band of rows: q heads only on rank 0, k and v on the last rank."""
+        c = self.config
+        hd = head_dim_of(c)
+        if ".qkv_proj." in name:
+            sizes = [
+                ("q", c.num_attention_heads * hd),
+                ("k", c.num_key_value_heads * hd),
+                ("v", c.num_key_value_heads * hd),
+            ]
+        elif ".gate_up_proj." in name:
+            sizes = [(0, c.intermediate_size), (1, c.intermediate_size)]
+        else:
+            return None
+        rows = shape_of(w)[0]
+        if rows != sum(n for _, n in sizes):
+            raise ValueError(f"{name} has {rows} rows, the config gives {sum(n for _, n in sizes)}")
+        parts, offset = [], 0
+        for shard, n in sizes:
+            parts.append((shard, row_window(w, offset, n)))
+            offset += n
+        return parts

@@ -1,4 +1,4 @@
-"""Qwen3 in the engine's own decoder: tiny random checkpoints saved by the test give
+"""Qwen3 and Phi-3 in the engine's own decoder: tiny random checkpoints saved by the test give
 transformers' greedy tokens and logprobs in float32, through prefix cache hits, chunked prompts
 and preemption; Qwen3 with int8 weights agrees with the same weights dequantized; config fields
 the engine does not implement are refused by name. Tensor parallel: tests/workers/test_architectures_tp.py."""
@@ -32,7 +32,7 @@ PROMPTS = [
 LOGPROB_TOL = 1e-3
 
 
-@pytest.fixture(scope="module", params=["qwen3"])
+@pytest.fixture(scope="module", params=["qwen3", "phi3"])
 def tiny(request, tmp_path_factory, smollm_dir):
     path = tmp_path_factory.mktemp(request.param)
     hf = save_tiny(request.param, path, tokenizer_from=smollm_dir)
@@ -116,6 +116,19 @@ def test_qwen3_int8_agrees_with_its_dequantized_weights(tmp_path, smollm_dir):
 @pytest.mark.parametrize(
     "kind,overrides,field",
     [
+        (
+            "phi3",
+            dict(
+                rope_scaling={
+                    "rope_type": "longrope",
+                    "short_factor": [1.0] * 4,
+                    "long_factor": [2.0] * 4,
+                    "original_max_position_embeddings": 256,
+                }
+            ),
+            "rope_scaling",
+        ),
+        ("phi3", dict(partial_rotary_factor=0.1), "partial_rotary_factor"),
         (
             "qwen3",
             dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
