@@ -115,6 +115,7 @@ def build_model_config(
 
     from engine.layers.quant import parse_quantization
     from engine.layers.quant.spec import check_quantization_device
+    from engine.model.config_check import check_model_config
     from engine.model.loader import gguf_file_of, resolve_model_dir
 
     spec = parse_quantization(quantization)  # refuses unknown settings before any conversion
@@ -126,6 +127,10 @@ def build_model_config(
     model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
     cfg = AutoConfig.from_pretrained(model_dir)
     quantization = checkpoint_method(cfg, quantization)
+    try:
+        check_model_config(cfg)  # in the driver: before any worker loads a model it would refuse
+    except ValueError as e:
+        raise InvalidRequestError(f"{model_dir}: {e}") from e
     limit = cfg.max_position_embeddings
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         limit = min(limit, cfg.sliding_window)  # the reference backend has no sliding window

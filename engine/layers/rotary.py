@@ -1,5 +1,7 @@
 """Rotary position embedding (neox / HF "rotate_half" layout) with default, linear and
-llama3 frequency scaling, cached as cos/sin tables indexed by absolute position."""
+llama3 frequency scaling, cached as cos/sin tables indexed by absolute position. Partial
+rotary (Phi-3's `partial_rotary_factor` < 1) rotates the first `rotary_dim` of each head and
+passes the rest through."""
 
 from __future__ import annotations
 
@@ -23,7 +25,17 @@ def rope_parameters(config: PretrainedConfig) -> dict:
         params.setdefault(k, v)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    factor = params.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None)
+    params["partial_rotary_factor"] = factor or 1.0
     return params
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rotary_dim_of(head_dim: int, params: dict) -> int:
+    """The rotated width of each head (transformers: int(head_dim * partial_rotary_factor))."""
+    return int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
 
 
 def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
@@ -45,14 +57,17 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"rope_type {kind!r} is not supported (default, linear, llama3 are)")
+    raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)} are)")
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv = _inv_freq(head_dim, params)
+        self.rotary_dim = rotary_dim_of(head_dim, params)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor gives a rotary width of {self.rotary_dim} for head_dim {head_dim}")
+        inv = _inv_freq(self.rotary_dim, params)
         pos = torch.arange(max_position, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -67,6 +82,8 @@ class RotaryEmbedding(nn.Module):
     def rotate_in_place(self, positions: torch.Tensor, qkv: torch.Tensor, heads: int) -> bool:
         """Rotate the first `heads` heads of each [T, W] row (q then k of a fused qkv) in one pass
         through the CPU op; False (nothing done) where it does not apply."""
+        if self.rotary_dim != self.head_dim:  # the op rotates whole heads
+            return False
         ops = cpu_ops_for(qkv)
         return ops is not None and ops.rotary(qkv, positions, self.cos, self.sin, heads, self.head_dim)
 
@@ -74,6 +91,11 @@ class RotaryEmbedding(nn.Module):
         """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
+        if self.rotary_dim != self.head_dim:
+            d = self.rotary_dim
+            q = torch.cat([q[..., :d] * cos + self._rotate_half(q[..., :d]) * sin, q[..., d:]], dim=-1)
+            k = torch.cat([k[..., :d] * cos + self._rotate_half(k[..., :d]) * sin, k[..., d:]], dim=-1)
+            return q, k
         q = q * cos + self._rotate_half(q) * sin
         k = k * cos + self._rotate_half(k) * sin
         return q, k

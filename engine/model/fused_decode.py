@@ -7,9 +7,10 @@ runs the very ops the layers call, in the same order on the same values, so its 
 bit-identical (tests/engine/test_fused_decode.py). It applies where every layer would take the
 C++ path anyway: CPU, tensor parallel size 1, the `cpu_paged` attention backend with a cache in
 the model's dtype or int8, the few-row linear op for every weight (float, or PyTorch's int4
-pack), and a step of decode tokens only, no more than every linear's few-row op takes (float
-weights: packed_gemm.small_rows(), 4 rows, or 64 for bf16 ones where the bf16 GEMM is emulated;
-int4 ones: quant/int4.small_rows()). Anything else runs the layers as modules.
+pack), Llama's q/k math (no q/k norms, whole heads rotated: `LlamaAttention.llama_math`), and
+a step of decode tokens only, no more than every linear's few-row op takes (float weights:
+packed_gemm.small_rows(), 4 rows, or 64 for bf16 ones where the bf16 GEMM is emulated; int4
+ones: quant/int4.small_rows()). Anything else runs the layers as modules.
 `ORBITAL_FUSED_DECODE=0` turns it off.
 """
 
@@ -122,7 +123,7 @@ class FusedDecode:
             if not hasattr(layer.mlp, "gate_up_proj"):
                 return None  # a mixture-of-experts layer: its experts run one by one
             attn = layer.self_attn
-            if not isinstance(attn.attn.backend, CpuPagedAttentionBackend):
+            if not isinstance(attn.attn.backend, CpuPagedAttentionBackend) or not attn.llama_math:
                 return None
             got = [_linear_parts(m, model.norm.weight.dtype) for m in _linears(layer)]
             if any(p is None for p in got):

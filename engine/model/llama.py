@@ -1,9 +1,13 @@
 """Llama-family decoder in the project's own code: Llama 2/3 (llama3 RoPE scaling), Mistral,
-Qwen2 (QKV bias), SmolLM2, and the mixture-of-experts Mixtral and Qwen2-MoE (layers/moe.py);
-GQA/MQA; tied embeddings. Tensor-parallel through its layers (experts: expert-parallel).
+Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused checkpoint tensors, partial
+rotary), SmolLM2, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (layers/moe.py);
+GQA/MQA; tied embeddings. Tensor-parallel through its layers (experts: expert-parallel). How each
+architecture differs is engine/model/architectures.py; config fields the engine does not
+implement are refused at construction (engine/model/config_check.py).
 
-Parameter names follow Hugging Face checkpoints except the fused `qkv_proj` and
-`gate_up_proj`, which `load_weights` fills from the separate q/k/v and gate/up tensors.
+Parameter names follow Hugging Face checkpoints. The fused `qkv_proj` and `gate_up_proj` are
+filled from the separate q/k/v and gate/up tensors, or, for a checkpoint that stores them fused
+(Phi-3), from each fused tensor cut into its parts, so each rank keeps its own heads of each part.
 """
 
 from __future__ import annotations
@@ -20,19 +24,14 @@ from engine.layers.moe import SparseMoE, is_moe_layer
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.weight_utils import default_weight_loader
+from engine.layers.weight_utils import default_weight_loader, shape_of
+from engine.model.architectures import SUPPORTED_ARCHITECTURES, Architecture  # noqa: F401 - named from here
+from engine.model.config_check import check_model_config
+from engine.model.fused_checkpoint import RowWindow, row_window
 from engine.model.fused_decode import FusedDecode
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen2MoeForCausalLM",
-}
 
 # checkpoint name fragment -> (fused parameter fragment, shard id)
 _STACKED = [
@@ -49,9 +48,10 @@ def head_dim_of(config: PretrainedConfig) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: PretrainedConfig, arch: Architecture, rotary: RotaryEmbedding, dtype: torch.dtype
+    ) -> None:
         super().__init__()
-        qwen2 = config.model_type in ("qwen2", "qwen2_moe")
         attn_bias = bool(getattr(config, "attention_bias", False))
         self.head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -59,20 +59,40 @@ class LlamaAttention(nn.Module):
             self.head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
-            bias=attn_bias or qwen2,
+            bias=attn_bias if arch.qkv_bias is None else arch.qkv_bias,
             dtype=dtype,
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=attn_bias and not qwen2, dtype=dtype
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=attn_bias if arch.o_bias is None else arch.o_bias,
+            dtype=dtype,
         )
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.rotary = rotary
         self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5)
+
+    @property
+    def llama_math(self) -> bool:
+        """Whether q and k are exactly Llama's (no norms, whole heads rotated): the fused decode
+        step (fused_decode.py) computes only that."""
+        return self.q_norm is None and self.rotary.rotary_dim == self.head_dim
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         t = x.shape[0]
-        rotated = self.rotary.rotate_in_place(positions, qkv, self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads)
+        # The norms come before RoPE, so the rotation in place over the fused rows waits for them.
+        rotated = self.q_norm is None and self.rotary.rotate_in_place(
+            positions, qkv, self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads
+        )
         q, k, v = self.qkv_proj.split(qkv)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
         q, k = q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)
         if not rotated:
             q, k = self.rotary(positions, q, k)
@@ -83,8 +103,6 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: PretrainedConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported (silu is)")
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
@@ -103,9 +121,11 @@ def feed_forward(config: PretrainedConfig, layer_index: int, dtype: torch.dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype, index: int = 0) -> None:
+    def __init__(
+        self, config: PretrainedConfig, arch: Architecture, rotary: RotaryEmbedding, dtype: torch.dtype, index: int
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, dtype)
+        self.self_attn = LlamaAttention(config, arch, rotary, dtype)
         self.mlp = feed_forward(config, index, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -123,12 +143,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, max_position: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: PretrainedConfig, arch: Architecture, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, dtype, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, arch, rotary, dtype, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self._fused: FusedDecode | None | bool = False  # False: not built yet (weights load first)
@@ -153,14 +173,10 @@ class LlamaForCausalLM(nn.Module):
         self, config: PretrainedConfig, max_position: int | None = None, dtype: torch.dtype = torch.float32
     ) -> None:
         super().__init__()
-        arch = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise NotImplementedError(
-                f"architecture {arch} is not supported; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+        self.arch = check_model_config(config)
         self.config = config
         max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, max_position, dtype)
+        self.model = LlamaModel(config, self.arch, max_position, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -190,6 +206,12 @@ class LlamaForCausalLM(nn.Module):
                     continue  # an expert another rank holds
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
+            if self.arch.fused_checkpoint and (parts := self._fused_parts(name, w)) is not None:
+                param = params[name]
+                for shard, part in parts:
+                    param.weight_loader(param, part, shard)
+                loaded.add(name)
+                continue
             for frag, fused, shard in _STACKED:
                 if frag in name:
                     target = name.replace(frag, fused)
@@ -209,3 +231,29 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
         return loaded
+
+    def _fused_parts(self, name: str, w: object) -> list[tuple[str | int, RowWindow | torch.Tensor]] | None:
+        """A fused checkpoint tensor (`qkv_proj`: q, k, v rows; `gate_up_proj`: gate, up rows)
+        as (shard id, its rows) for the fused layer's loader, which keeps this rank's heads of
+        each part; None for any other tensor. Loading the whole tensor as one would give each
+        rank a contiguous band of rows: q heads only on rank 0, k and v on the last rank."""
+        c = self.config
+        hd = head_dim_of(c)
+        if ".qkv_proj." in name:
+            sizes = [
+                ("q", c.num_attention_heads * hd),
+                ("k", c.num_key_value_heads * hd),
+                ("v", c.num_key_value_heads * hd),
+            ]
+        elif ".gate_up_proj." in name:
+            sizes = [(0, c.intermediate_size), (1, c.intermediate_size)]
+        else:
+            return None
+        rows = shape_of(w)[0]
+        if rows != sum(n for _, n in sizes):
+            raise ValueError(f"{name} has {rows} rows, the config gives {sum(n for _, n in sizes)}")
+        parts, offset = [], 0
+        for shard, n in sizes:
+            parts.append((shard, row_window(w, offset, n)))
+            offset += n
+        return parts

@@ -23,14 +23,25 @@ COMMON = dict(
 
 def save_moe(kind: str, path, tokenizer_from=None, seed: int = 0):
     """kind: "mixtral" (4 experts, top 2), "qwen2_moe" (5 experts, top 2, a shared expert,
-    layer 1 dense, top-k weights not renormalized) or "qwen2_moe_norm" (renormalized)."""
+    layer 1 dense, top-k weights not renormalized), "qwen2_moe_norm" (renormalized) or
+    "qwen3_moe" (per-head q/k norms, 6 experts, top 3, renormalized)."""
     import shutil
 
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, head_dim=32)
+        model = Qwen3MoeForCausalLM(cfg)
     else:
         cfg = Qwen2MoeConfig(
             **COMMON,

@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (engine/layers/moe.py): tiny random Mixtral and Qwen2-MoE (shared
-expert, a dense layer, with and without renormalized top-k weights) give transformers' float32
+"""Mixture-of-experts models (engine/layers/moe.py): tiny random Mixtral, Qwen2-MoE (shared
+expert, a dense layer, with and without renormalized top-k weights) and Qwen3-MoE give transformers' float32
 greedy tokens and logprobs, through chunked prefill, prefix-cache hits and preemption; their
 experts quantize like any linear."""
 
@@ -31,7 +31,7 @@ def _run(path, prompts, **kw):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe_norm"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe_norm", "qwen3_moe"])
 def test_moe_model_matches_transformers(kind, tmp_path, smollm_dir):
     hf = save_moe(kind, tmp_path, smollm_dir)
     prompts = PROMPTS + SHARED

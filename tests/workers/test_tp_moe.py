@@ -13,7 +13,7 @@ from workers import LLM
 PROMPTS = [[5, 17, 300, 201, 77], [100 + i for i in range(40)], list(range(7, 7 + 60, 3))]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_at_tp2_matches_transformers(kind, tmp_path, smollm_dir, ray_local):
     hf = save_moe(kind, tmp_path, smollm_dir)
     expected = [hf_greedy(hf, p, 12, None) for p in PROMPTS]
