@@ -12,7 +12,9 @@ prompt. Metrics: useful output tokens/s, TTFT p50/p99, inter-token latency p50/p
 
 The GGUF defaults to the embedded SmolLM2 (Q4_1); pass a BF16 re-encoding for llama.cpp's best
 configuration on CPUs (`llama-quantize --allow-requantize in.gguf out.gguf BF16`). Orbital loads
-the embedded model's dequantized weights in `--dtype`. Without a llama-server binary the script
+the embedded model's dequantized weights in `--dtype`, or with `--same-file` the same GGUF
+(`--quantization gguf`: its own blocks; a Q4_K_M file made by `llama-quantize in-bf16.gguf
+out.gguf Q4_K_M` compares both on one file). Without a llama-server binary the script
 says how to build one and exits 0.
 """
 
@@ -78,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     p.add_argument("--gguf", default=None, help="GGUF for llama.cpp (default: the embedded Q4_1)")
+    p.add_argument(
+        "--same-file",
+        action="store_true",
+        help="Orbital serves --gguf too (with --quantization gguf: its own blocks, e.g. a Q4_K_M file)",
+    )
     p.add_argument("--dtype", default="auto", help="Orbital's dtype")
     p.add_argument(
         "--quantization", default=None, help="Orbital's weights: int8, int4[:gN], gguf (the GGUF's own blocks)"
@@ -103,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         "orbital": (
             f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {oport} --threads {a.threads} "
             f"--dtype {a.dtype} --kv-cache-dtype {a.kv_cache_dtype}"
-            + (f" --quantization {a.quantization}" if a.quantization else ""),
+            + (f" --quantization {a.quantization}" if a.quantization else "")
+            + (f" --model {gguf}" if a.same_file else ""),
             f"http://127.0.0.1:{oport}",
         ),
         "llama.cpp": (
