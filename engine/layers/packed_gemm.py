@@ -129,6 +129,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from engine.layers.quant.int8 import int8_linear
 
         return int8_linear(x, weight, bias)
+    order = getattr(weight, "input_order", None)
+    if order is not None:  # GPTQ act-order: the weight's columns hold the inputs in this order
+        x = x.index_select(-1, order)
     if is_cuda_int4(weight):
         from engine.layers.quant.cuda_int4 import int4_linear_cuda
 

@@ -34,8 +34,8 @@ def _linear_parts(module: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
     few-row path calls its op; None where the module would not take that path (asked of the op
     itself on a zero row: it declines some shapes, and the module then runs another kernel)."""
     parts = _linear_candidate(module)
-    if parts is None:
-        return None
+    if parts is None or getattr(module.weight, "input_order", None) is not None:
+        return None  # act-order weights take their inputs reordered: the layers' own path does
     w, scales, bias, group_size, n = parts
     ops = small_linear_ops()
     k = module.input_size_per_partition if hasattr(module, "input_size_per_partition") else module.input_size

@@ -11,9 +11,11 @@ Layouts (as AutoGPTQ / GPTQModel and AutoAWQ write them):
 - AWQ (version "gemm"): qweight int32 [in, out / 8] and qzeros int32 [groups, out / 8], packed
   along the outputs in the order 0, 2, 4, 6, 1, 3, 5, 7; scales fp16 [groups, out]; 4 bits.
 
-GPTQ with act-order (`desc_act`) puts an input's group in g_idx, not in its position: the int4
-kernels take contiguous groups, so such a weight is loaded as its exact float values (correct,
-unquantized speed) unless its g_idx is the plain order.
+GPTQ with act-order (`desc_act`) puts an input's group in g_idx, not in its position: the
+columns are held sorted by group (`input_order`, the kernels take x[:, input_order]), so each
+group is contiguous as the int4 kernels need. Where that cannot hold (a group without exactly
+group_size inputs; a row-parallel shard under tensor parallelism, whose inputs cut groups; q, k
+and v in different orders) the weight is its exact float values.
 """
 
 from __future__ import annotations
@@ -103,22 +105,21 @@ def decode_linear(parts: dict[str, torch.Tensor], q: CheckpointQuantization) -> 
     if group * groups != n_in:
         raise ValueError(f"{n_in} inputs do not split into {groups} groups")
     g_idx = parts.get("g_idx")
-    plain = g_idx is None or torch.equal(g_idx.long(), torch.arange(n_in) // group)
-    if not plain:  # act-order: each input's own group's scale and zero, exact float32 values
-        gi = g_idx.long()
-        return ((iw.float() - zeros[gi]) * scales[gi]).t().contiguous()
+    plain = torch.arange(n_in) // group
+    order = None
+    if g_idx is not None and not torch.equal(g_idx.long(), plain):
+        order = torch.argsort(g_idx.long(), stable=True)
+        if not torch.equal(g_idx.long()[order], plain):  # groups of unequal sizes
+            gi = g_idx.long()
+            return ((iw.float() - zeros[gi]) * scales[gi]).t().contiguous()
+        iw = iw[order]
     minimum = -(scales * zeros)  # exact: an fp16 scale times a small integer
     qv = iw.t().contiguous()
     if q.bits == 8:  # 0..255 held as int8 q - 128, the min moved by 128 scales (exact)
-        return BlockQuantized(
-            (qv - 128).to(torch.int8),
-            scales.t().contiguous(),
-            (minimum + 128 * scales).t().contiguous(),
-            8,
-            "gptq8",
-            group,
-        )
-    return BlockQuantized(qv.to(torch.uint8), scales.t().contiguous(), minimum.t().contiguous(), 4, q.method, group)
+        qv, minimum, kind = (qv - 128).to(torch.int8), minimum + 128 * scales, "gptq8"
+    else:
+        qv, kind = qv.to(torch.uint8), q.method
+    return BlockQuantized(qv, scales.t().contiguous(), minimum.t().contiguous(), q.bits, kind, group, order)
 
 
 def iterate_quantized_weights(files: list[Path], q: CheckpointQuantization) -> Iterator[tuple[str, object]]:

@@ -27,6 +27,7 @@ _ATTRS = (
     "scale_min",
     "scales_zeros_bf16",
     "rows",
+    "input_order",
 )  # tensors that travel with a quantized weight
 _META = ("group_size", "two_nibbles", "out_features", "centered")
 

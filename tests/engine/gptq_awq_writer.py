@@ -59,14 +59,18 @@ def write_quantized(
     sym: bool = False,
     desc_act: bool = False,
     checkpoint_format: str = "gptq",
+    shared_order: bool = True,
 ) -> None:
-    """`dst`: the quantized checkpoint; `reference`: the float checkpoint of its exact values."""
+    """`dst`: the quantized checkpoint; `reference`: the float checkpoint of its exact values.
+    Act-order (`desc_act`): linears that read the same input (q, k, v; gate, up) share one order,
+    as GPTQ's Hessian of that input gives them, unless `shared_order` is False."""
     for d in (dst, reference):
         shutil.copytree(src, d, dirs_exist_ok=True)
         (d / "model.safetensors").unlink()
     state = load_file(str(src / "model.safetensors"))
     quantized, floats = {}, {}
     gen = torch.Generator().manual_seed(0)
+    orders: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         prefix, _, kind = name.rpartition(".")
         if kind != "weight" or prefix.rsplit(".", 1)[-1] not in LINEARS:
@@ -76,7 +80,12 @@ def write_quantized(
         g = group if group > 0 else n_in
         n_groups = n_in // g
         if desc_act:  # act-order: an input's group is g_idx's, not its position's
-            g_idx = (torch.argsort(torch.randperm(n_in, generator=gen)) // g).int()
+            proj = prefix.rsplit(".", 1)[-1]
+            same = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+            reads = prefix.rsplit(".", 2)[0] + "." + same.get(proj, proj)
+            if reads not in orders or not shared_order:
+                orders[reads] = torch.argsort(torch.randperm(n_in, generator=gen))
+            g_idx = (orders[reads] // g).int()
         else:
             g_idx = (torch.arange(n_in) // g).int()
         q, scales, zeros = _quantize(w.float(), bits, g_idx.long(), n_groups, sym)

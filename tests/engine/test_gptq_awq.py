@@ -1,8 +1,9 @@
 """GPTQ and AWQ checkpoints (engine/model/gptq_awq.py), made here from a tiny random Llama
 (tests/engine/gptq_awq_writer.py): loaded onto the int4 kernels, their prompt logprobs stay within
 rounding of the same weights dequantized in float, and greedy tokens agree wherever the float
-model's top two are further apart than that rounding; act-order loads exactly; configs the
-engine does not implement are refused by name."""
+model's top two are further apart than that rounding; act-order weights run with their inputs
+reordered (or as float where their parts disagree); configs the engine does not implement are
+refused by name."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ CASES = {
     "gptq-4bit-g128-v2": dict(method="gptq", bits=4, group=128, checkpoint_format="gptq_v2"),
     "gptq-8bit-g32": dict(method="gptq", bits=8, group=32),
     "gptq-4bit-act-order": dict(method="gptq", bits=4, group=32, desc_act=True),
+    # q, k and v in different orders: that fused weight is float, the others int4
+    "gptq-4bit-act-order-mixed": dict(method="gptq", bits=4, group=32, desc_act=True, shared_order=False),
     "awq-4bit-g32": dict(method="awq", group=32),
     "awq-4bit-g128": dict(method="awq", group=128),
 }

@@ -26,14 +26,20 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
     runs (int8_as_nibbles)."""
     cuda = param.device.type == "cuda"
     if has_blocks(param):
-        w = assemble(param.block_parts, param.shape[0])
+        try:
+            w = assemble(param.block_parts, param.shape[0])
+        except ValueError:  # act-order pieces (q, k, v) whose inputs are in different orders
+            return _as_float(param)
         if getattr(param, "has_float_rows", False) or (cuda and w.group not in CUDA_GROUPS):
-            return _as_float(param, w)
+            return _as_float(param)
         q, scale, minimum = w.as_nibbles(split=w.bits == 8)
         if cuda:
             q, scale, minimum = (t.to(param.device) for t in (q, scale, minimum))
-            return pack_int4_cuda(q, scale, minimum, w.group, split=w.bits == 8, keep_rows=keep_rows)
-        return pack_int4(q, scale, minimum, w.group, split=w.bits == 8)
+            packed = pack_int4_cuda(q, scale, minimum, w.group, split=w.bits == 8, keep_rows=keep_rows)
+        else:
+            packed = pack_int4(q, scale, minimum, w.group, split=w.bits == 8)
+        packed.input_order = None if w.input_order is None else w.input_order.to(packed.device)
+        return packed
     if spec.method == "int8":
         return int8_as_nibbles(quantize_int8(param))
     if spec.method == "int4":
@@ -47,14 +53,13 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
 CUDA_GROUPS = (32, 64, 128, 256)  # tinygemm's group sizes
 
 
-def _as_float(param: torch.Tensor, w: BlockQuantized) -> torch.Tensor:
+def _as_float(param: torch.Tensor) -> torch.Tensor:
     """A parameter whose pieces are partly float and partly blocks (or blocks the device's kernel
-    cannot group): the blocks' rows written as their exact float values beside the float rows."""
-    covered = torch.zeros(param.shape[0], dtype=torch.bool)
+    cannot group, or pieces in different input orders): the blocks' rows written as their exact
+    float values beside the float rows."""
     for off, p in param.block_parts:
-        covered[off : off + p.shape[0]] = True
-    rows = covered.nonzero().squeeze(1)
-    param.data[rows.to(param.device)] = w.dequantize()[rows].to(param.device, param.dtype)
+        n = p.shape[0]
+        param.data[off : off + n] = p.dequantize().to(param.device, param.dtype)
     del param.block_parts
     return param
 

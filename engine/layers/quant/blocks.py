@@ -22,12 +22,21 @@ class BlockQuantized:
     bits: int
     kind: str = ""  # the GGUF type it came from, for messages
     group: int = BLOCK  # inputs per scale and min
+    # Columns held in this order of the inputs (GPTQ act-order: a group's inputs gathered), so
+    # the kernels take x[:, input_order]; None: the inputs' own order.
+    input_order: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
 
-    def narrow(self, dim: int, start: int, length: int) -> BlockQuantized:
+    def narrow(self, dim: int, start: int, length: int) -> BlockQuantized | torch.Tensor:
+        if dim == 1 and start == 0 and length == self.shape[1]:
+            return self
+        if dim == 1 and self.input_order is not None:
+            # A slice of the inputs (a row-parallel shard) cuts groups whose inputs are scattered
+            # over all of them: that shard is its exact float values.
+            return self.dequantize().narrow(1, start, length)
         if dim == 1:
             g = self.group
             if start % g or length % g:
@@ -42,10 +51,12 @@ class BlockQuantized:
                 g,
             )
         sl = slice(start, start + length)
-        return BlockQuantized(self.q[sl], self.scale[sl], self.minimum[sl], self.bits, self.kind, self.group)
+        return self.index_rows(sl)
 
-    def index_rows(self, rows: torch.Tensor) -> BlockQuantized:
-        return BlockQuantized(self.q[rows], self.scale[rows], self.minimum[rows], self.bits, self.kind, self.group)
+    def index_rows(self, rows: torch.Tensor | slice) -> BlockQuantized:
+        return BlockQuantized(
+            self.q[rows], self.scale[rows], self.minimum[rows], self.bits, self.kind, self.group, self.input_order
+        )
 
     def regrouped(self, group: int) -> BlockQuantized:
         """The same values with a smaller group that divides this one (each scale and min repeated):
@@ -60,13 +71,20 @@ class BlockQuantized:
             self.bits,
             self.kind,
             group,
+            self.input_order,
         )
 
     def dequantize(self) -> torch.Tensor:
-        """Float32, computed as gguf's dequantize computes it (so the values are equal)."""
+        """Float32 in the inputs' own order, computed as gguf's dequantize computes it (so the
+        values are equal)."""
         n, k = self.shape
         q = self.q.float().view(n, k // self.group, self.group)
-        return (q * self.scale[..., None] + self.minimum[..., None]).view(n, k)
+        w = (q * self.scale[..., None] + self.minimum[..., None]).view(n, k)
+        if self.input_order is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.input_order] = w
+        return out
 
     def as_nibbles(self, split: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q 0..15, scale, min) for int4_format.pack_int4; `split` (any 8-bit part in the weight):
@@ -91,6 +109,9 @@ def assemble(parts: list[tuple[int, BlockQuantized]], rows: int) -> BlockQuantiz
     zeros."""
     first = parts[0][1]
     k = first.shape[1]
+    order = first.input_order
+    if any(not _same_order(p.input_order, order) for _, p in parts):
+        raise ValueError("the pieces of one weight hold their inputs in different orders")
     bits = max(p.bits for _, p in parts)
     group = min(p.group for _, p in parts)
     dtype = torch.int8 if bits == 8 else torch.uint8
@@ -105,4 +126,8 @@ def assemble(parts: list[tuple[int, BlockQuantized]], rows: int) -> BlockQuantiz
             p = BlockQuantized(p.q.to(torch.int8), p.scale, p.minimum, 8, p.kind, group)
         n = p.shape[0]
         q[off : off + n], scale[off : off + n], minimum[off : off + n] = p.q, p.scale, p.minimum
-    return BlockQuantized(q, scale, minimum, bits, "+".join(kinds), group)
+    return BlockQuantized(q, scale, minimum, bits, "+".join(kinds), group, order)
+
+
+def _same_order(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
