@@ -62,7 +62,8 @@ def test_gemma3_matches_transformers_with_prefix_hits_chunks_and_preemption(tiny
 
 
 def test_gemma3_int8_agrees_with_its_dequantized_weights(tmp_path, smollm_dir):
-    """As the Qwen3 int8 test: the tied embedding stays float, the linears quantize."""
+    """As the Qwen3 int8 test; the head is tied, so the engine quantizes a copy of it and looks
+    the embedding up in float, as the untied dequantized checkpoint does."""
     qdir, fdir = tmp_path / "q", tmp_path / "f"
     save_tiny("gemma3", qdir, tokenizer_from=smollm_dir)
     _dequantized_int8_copy(qdir, fdir, smollm_dir)
