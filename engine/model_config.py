@@ -75,7 +75,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        from engine.model.llama import head_dim_of
+        from engine.model.llama_layers import head_dim_of
 
         return head_dim_of(self.hf_config)
 
@@ -115,7 +115,7 @@ def build_model_config(
 
     from engine.layers.quant import parse_quantization
     from engine.layers.quant.spec import check_quantization_device
-    from engine.model.config_check import check_model_config
+    from engine.model.config_check import check_model_config, sliding_window_of
     from engine.model.loader import gguf_file_of, resolve_model_dir
 
     spec = parse_quantization(quantization)  # refuses unknown settings before any conversion
@@ -132,8 +132,9 @@ def build_model_config(
     except ValueError as e:
         raise InvalidRequestError(f"{model_dir}: {e}") from e
     limit = cfg.max_position_embeddings
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        limit = min(limit, cfg.sliding_window)  # the reference backend has no sliding window
+    window = sliding_window_of(cfg)
+    if window:
+        limit = min(limit, window)  # no attention backend has a sliding window
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > limit:

@@ -1,4 +1,4 @@
-"""Tiny random Qwen3 and Phi-3 checkpoints saved as real HF directories (2 layers, width 64,
+"""Tiny random Qwen3, Phi-3 and Gemma 3 checkpoints saved as real HF directories (2 layers, width 64,
 4 heads over 2 KV heads, vocab 512), shared by the engine and tensor-parallel tests."""
 
 from __future__ import annotations
@@ -22,16 +22,41 @@ TINY = dict(
     pad_token_id=None,
 )
 
+# Gemma 3: one sliding and one full layer with RoPE bases and scaling of their own (given as a
+# hub config gives them), a score scale that is not head_dim's, tied embeddings, and a window
+# (which caps max_model_len) longer than any test sequence.
+GEMMA3 = dict(
+    TINY,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=128,
+    rope_theta=10000.0,
+    rope_local_base_freq=100.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+    tie_word_embeddings=True,
+    architectures=["Gemma3ForCausalLM"],
+)
+
 
 def tiny_config(kind: str, **overrides):
     """qwen3: head_dim 32 from the config (not hidden/heads = 16), q/k norms; phi3: fused
-    checkpoint tensors, half of each head rotated."""
+    checkpoint tensors, half of each head rotated; gemma3: as GEMMA3 says; gemma2: for its
+    refusal."""
     from transformers import Phi3Config, Qwen3Config
 
     if kind == "qwen3":
         return Qwen3Config(**{**TINY, "head_dim": 32, **overrides})
     if kind == "phi3":
         return Phi3Config(**{**TINY, "partial_rotary_factor": 0.5, **overrides})
+    if kind == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        return Gemma3TextConfig(**{**GEMMA3, **overrides})
+    if kind == "gemma2":
+        from transformers import Gemma2Config
+
+        return Gemma2Config(**{**TINY, "head_dim": 32, "architectures": ["Gemma2ForCausalLM"], **overrides})
     raise ValueError(kind)
 
 

@@ -1,4 +1,5 @@
-"""SiLU-and-multiply over a merged gate/up projection output."""
+"""Gated activations over a merged gate/up projection output: SiLU (Llama) and tanh-approximated
+GELU (Gemma's GeGLU, `gelu_pytorch_tanh`)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ class SiluAndMul(nn.Module):
                 return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -35,3 +35,19 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32 and rounded once to x's dtype
+    (transformers' Gemma3RMSNorm; Llama's rounds before scaling). The checkpoint stores the offset
+    from one, so a zero weight is the identity scale."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)

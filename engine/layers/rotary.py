@@ -17,10 +17,24 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`)."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _of_layer_type(params: dict, layer_type: str) -> dict:
+    if any(isinstance(params.get(t), dict) for t in LAYER_TYPES):
+        return dict(params.get(layer_type) or {})
+    return dict(params)
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention") -> dict:
+    """Normalise transformers 4.x (`rope_theta` + `rope_scaling`) and 5.x (`rope_parameters`).
+    Gemma 3 gives each layer type its own: 5.x nests them under the type; 4.x has sliding layers
+    on `rope_local_base_freq`, unscaled."""
+    params = _of_layer_type(getattr(config, "rope_parameters", None) or {}, layer_type)
+    scaling = _of_layer_type(getattr(config, "rope_scaling", None) or {}, layer_type)
+    local_base = getattr(config, "rope_local_base_freq", None)
+    if layer_type == "sliding_attention" and local_base is not None and "rope_theta" not in params:
+        params, scaling = {"rope_type": "default", "rope_theta": local_base}, {}
     for k, v in scaling.items():
         params.setdefault(k, v)
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))

@@ -1,7 +1,8 @@
 """The decoder architectures the engine implements and how each differs from Llama.
 
-Every one runs through engine/model/llama.py's layers; an `Architecture` names the differences
-that layer code reads (biases, per-head q/k norms, fused checkpoint tensors).
+Every one runs through engine/model/llama.py's attention and linears; an `Architecture` names
+the differences that layer code reads (biases, per-head q/k norms, fused checkpoint tensors, and
+Gemma's layer layout in engine/model/gemma.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ class Architecture:
     qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj whole (Phi-3)
     hidden_act: str = "silu"
+    act_field: str = "hidden_act"  # the config field naming the MLP activation
+    # Gemma 3's layer (model/gemma.py): (1 + weight) RMSNorms, four per layer, scaled embeddings,
+    # GeGLU, query_pre_attn_scalar, each layer type with its own RoPE
+    gemma: bool = False
 
 
 ARCHITECTURES = {
@@ -35,7 +40,15 @@ ARCHITECTURES = {
         Architecture("MixtralForCausalLM"),
         Architecture("Qwen2MoeForCausalLM", qkv_bias=True, o_bias=False),
         Architecture("Qwen3MoeForCausalLM", qk_norm=True),
+        Architecture(
+            "Gemma3ForCausalLM", qk_norm=True, gemma=True, hidden_act="gelu_pytorch_tanh", act_field="hidden_activation"
+        ),
     )
+}
+# Architectures known and refused, with the field the engine lacks.
+REFUSED = {
+    "Gemma2ForCausalLM": "it needs attn_logit_softcapping (tanh soft-capping of the attention scores "
+    "inside the paged-attention kernels), which the engine does not implement",
 }
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
@@ -44,6 +57,8 @@ def architecture_of(config: PretrainedConfig) -> Architecture:
     """The config's architecture (a config without `architectures` is a Llama); ValueError naming
     the field for one the engine does not implement."""
     name = (getattr(config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    if name in REFUSED:
+        raise ValueError(f"architectures={name!r} is not supported: {REFUSED[name]}")
     if name not in ARCHITECTURES:
         raise ValueError(
             f"architectures={name!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"

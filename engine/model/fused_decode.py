@@ -23,6 +23,7 @@ import torch
 
 from engine.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.layers.packed_gemm import OP_ROWS, _vector_ops, small_linear_ops, small_rows
+from engine.model.llama_layers import LlamaDecoderLayer
 from engine.runner.forward_context import get_attn_metadata
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ class FusedDecode:
             return None
         norms, parts, rows = [], [], []
         for layer in model.layers:
+            if not isinstance(layer, LlamaDecoderLayer):
+                return None  # Gemma's (model/gemma.py): four (1 + weight) norms, GeGLU
             if not hasattr(layer.mlp, "gate_up_proj"):
                 return None  # a mixture-of-experts layer: its experts run one by one
             attn = layer.self_attn

@@ -1,6 +1,7 @@
 """Llama-family decoder in the project's own code: Llama 2/3 (llama3 RoPE scaling), Mistral,
 Qwen2 (QKV bias), Qwen3 (per-head q/k RMSNorm), Phi-3 (fused checkpoint tensors, partial
-rotary), SmolLM2, and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (layers/moe.py);
+rotary), SmolLM2, the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (layers/moe.py), and
+Gemma 3 (its model in engine/model/gemma.py); the layers are engine/model/llama_layers.py.
 GQA/MQA; tied embeddings. Tensor-parallel through its layers (experts: expert-parallel). How each
 architecture differs is engine/model/architectures.py; config fields the engine does not
 implement are refused at construction (engine/model/config_check.py).
@@ -17,10 +18,8 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.layers.moe import SparseMoE, is_moe_layer
+from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,6 +28,8 @@ from engine.model.architectures import SUPPORTED_ARCHITECTURES, Architecture  # 
 from engine.model.config_check import check_model_config
 from engine.model.fused_checkpoint import RowWindow, row_window
 from engine.model.fused_decode import FusedDecode
+from engine.model.gemma import GemmaModel
+from engine.model.llama_layers import LlamaDecoderLayer, head_dim_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -41,105 +42,6 @@ _STACKED = [
     (".gate_proj", ".gate_up_proj", 0),
     (".up_proj", ".gate_up_proj", 1),
 ]
-
-
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-class LlamaAttention(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, arch: Architecture, rotary: RotaryEmbedding, dtype: torch.dtype
-    ) -> None:
-        super().__init__()
-        attn_bias = bool(getattr(config, "attention_bias", False))
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=attn_bias if arch.qkv_bias is None else arch.qkv_bias,
-            dtype=dtype,
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=attn_bias if arch.o_bias is None else arch.o_bias,
-            dtype=dtype,
-        )
-        if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        else:
-            self.q_norm = self.k_norm = None
-        self.rotary = rotary
-        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, self.head_dim**-0.5)
-
-    @property
-    def llama_math(self) -> bool:
-        """Whether q and k are exactly Llama's (no norms, whole heads rotated): the fused decode
-        step (fused_decode.py) computes only that."""
-        return self.q_norm is None and self.rotary.rotary_dim == self.head_dim
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        t = x.shape[0]
-        # The norms come before RoPE, so the rotation in place over the fused rows waits for them.
-        rotated = self.q_norm is None and self.rotary.rotate_in_place(
-            positions, qkv, self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads
-        )
-        q, k, v = self.qkv_proj.split(qkv)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim))
-            k = self.k_norm(k.reshape(-1, self.head_dim))
-        q, k = q.view(t, -1, self.head_dim), k.view(t, -1, self.head_dim)
-        if not rotated:
-            q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, intermediate_size: int | None = None) -> None:
-        super().__init__()
-        bias = bool(getattr(config, "mlp_bias", False))
-        inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-def feed_forward(config: PretrainedConfig, layer_index: int, dtype: torch.dtype) -> nn.Module:
-    """A layer's MLP: dense, or mixture-of-experts (layers/moe.py) with Qwen2-MoE's shared expert."""
-    if not is_moe_layer(config, layer_index):
-        return LlamaMLP(config, dtype)
-    shared = getattr(config, "shared_expert_intermediate_size", None)
-    return SparseMoE(config, dtype, LlamaMLP(config, dtype, shared) if shared else None)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, config: PretrainedConfig, arch: Architecture, rotary: RotaryEmbedding, dtype: torch.dtype, index: int
-    ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, arch, rotary, dtype)
-        self.mlp = feed_forward(config, index, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -176,7 +78,10 @@ class LlamaForCausalLM(nn.Module):
         self.arch = check_model_config(config)
         self.config = config
         max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, self.arch, max_position, dtype)
+        if self.arch.gemma:
+            self.model = GemmaModel(config, self.arch, max_position, dtype)
+        else:
+            self.model = LlamaModel(config, self.arch, max_position, dtype)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

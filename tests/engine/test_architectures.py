@@ -73,12 +73,17 @@ def test_matches_transformers_with_prefix_hits_chunks_and_preemption(tiny):
 
 def _dequantized_int8_copy(path, out, tokenizer_from):
     """The checkpoint at `path` with every weight the engine quantizes to int8 (the linears and
-    the untied head; quant/apply.py) replaced by its int8 values times their scales."""
+    the head; quant/apply.py) replaced by its int8 values times their scales (a tied head untied:
+    its embedding stays float, as the engine's does)."""
     from transformers import AutoModelForCausalLM
 
     from engine.layers.quant.int8 import quantize_int8
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if model.config.tie_word_embeddings:
+        # The engine quantizes a tied head's copy and looks the embedding up in float: untied here.
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
     with torch.no_grad():
         for name, m in model.named_modules():
             if isinstance(m, torch.nn.Linear):

@@ -1,6 +1,7 @@
-"""Qwen3 and Phi-3 at tensor parallel 2 (rank 0 in the driver, rank 1 a Ray actor): transformers'
+"""Qwen3, Phi-3 and Gemma 3 at tensor parallel 2 (rank 0 in the driver, rank 1 a Ray actor): transformers'
 greedy tokens and logprobs in float32. Phi-3's fused qkv_proj and gate_up_proj are cut into
-their parts before sharding: each rank keeps its own q, k and v heads and its gate and up rows."""
+their parts before sharding: each rank keeps its own q, k and v heads and its gate and up rows.
+Gemma 3's per-head q/k norms and its four (1 + weight) norms are replicated on each rank."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ NEW = 12
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [100, 200, 300], list(range(300, 350))]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "gemma3"])
 def test_tp2_matches_transformers(ray_local, kind, tmp_path, smollm_dir):
     hf = save_tiny(kind, tmp_path, tokenizer_from=smollm_dir)
     expected = hf_greedy(tmp_path, PROMPTS, NEW, hf_model=hf)
