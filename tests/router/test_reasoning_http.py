@@ -1,0 +1,114 @@
+"""Reasoning through a real server and the openai SDK: a model whose greedy output really is
+`<think>The user asks</think>Hello!` (tests/tiny_llama.py, the thinking stand-in) served by two
+pools, `r1` (reasoning_parser deepseek_r1, tool_call_parser hermes) and `q3` (qwen3). The block
+goes to `reasoning_content` and only the answer to `content`, streamed and not; qwen3 with
+enable_thinking false (the template closes the block in the prompt) has no reasoning; an output
+that starts inside the block (a continued assistant message) splits the same; structured outputs
+and held tool calls are a 400 naming both settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.router.conftest import BASE
+from tests.router.test_errors import _check, post
+
+pytestmark = pytest.mark.slow
+ASK = [{"role": "user", "content": "Hi"}]
+ANSWER = "Hello!"
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, smollm_dir):
+    from tests.tiny_llama import save_thinking_stand_in
+
+    return str(save_thinking_stand_in(tmp_path_factory.mktemp("thinking"), smollm_dir))
+
+
+@pytest.fixture(scope="module")
+def reason_app(thinking_model):
+    from tests.serve_cluster import serve_app
+
+    pools = [
+        {"name": "r1", "reasoning_parser": "deepseek_r1", "tool_call_parser": "hermes"},
+        {"name": "q3", "reasoning_parser": "qwen3"},
+    ]
+    config = {**BASE, "kv_cache_memory_bytes": 8 << 20}
+    with serve_app("reason", "/reason", **config, model=thinking_model, num_replicas=1, models=pools) as app:
+        yield app["url"]
+
+
+@pytest.fixture(scope="module")
+def oai(reason_app):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{reason_app}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _create(oai, model, stream=False, **kw):
+    kw = {"max_tokens": 20, "temperature": 0, **kw}
+    return oai.chat.completions.create(model=model, messages=ASK, stream=stream, **kw)
+
+
+def _streamed(oai, model, **kw) -> tuple[str, str, str | None]:
+    reasoning = content = ""
+    finish = None
+    for chunk in _create(oai, model, stream=True, **kw):
+        for ch in chunk.choices:
+            r = getattr(ch.delta, "reasoning_content", None) or ""
+            assert "think>" not in r and "think>" not in (ch.delta.content or ""), ch.delta
+            reasoning, content = reasoning + r, content + (ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    return reasoning, content, finish
+
+
+@pytest.mark.parametrize("model", ["r1", "q3"])
+def test_reasoning_apart_from_the_answer(oai, model):
+    r = _create(oai, model)
+    msg = r.choices[0].message
+    assert (msg.content, msg.reasoning_content) == (ANSWER, "The user asks"), msg
+    assert r.choices[0].finish_reason == "stop"
+    assert _streamed(oai, model) == ("The user asks", ANSWER, "stop")
+    # Cut inside the block: all reasoning so far, no content.
+    msg = _create(oai, model, max_tokens=3).choices[0].message
+    assert (msg.content, msg.reasoning_content) == (None, "The user"), msg
+    assert _streamed(oai, model, max_tokens=3) == ("The user", "", "length")
+
+
+def test_qwen3_with_thinking_off_answers_only(oai):
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg = _create(oai, "q3", extra_body=off).choices[0].message
+    assert (msg.content, msg.reasoning_content) == (ANSWER, None), msg
+    assert _streamed(oai, "q3", extra_body=off) == ("", ANSWER, "stop")
+
+
+def test_an_output_that_starts_inside_the_block(oai):
+    """A continued assistant message "The": the output ` user asks</think>Hello!` has no
+    `<think>` (DeepSeek-R1's template opens the block in the prompt)."""
+    history = ASK + [{"role": "assistant", "content": "The"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    r = oai.chat.completions.create(model="r1", messages=history, max_tokens=20, temperature=0, extra_body=cont)
+    msg = r.choices[0].message
+    assert (msg.content, msg.reasoning_content) == (ANSWER, " user asks"), msg
+
+
+def test_tool_calls_are_read_from_the_content_only(oai):
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    r = _create(oai, "r1", tools=[weather])
+    msg = r.choices[0].message
+    assert (msg.content, msg.reasoning_content, msg.tool_calls) == (ANSWER, "The user asks", []), msg
+    assert _streamed(oai, "r1", tools=[weather]) == ("The user asks", ANSWER, "stop")
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_a_grammar_with_a_reasoning_parser_is_refused(reason_app, extra, param):
+    body = {"model": "r1", "messages": ASK, "max_tokens": 4, **extra}
+    err = _check(post(reason_app, "/v1/chat/completions", json=body), 400, param)
+    assert "reasoning_parser" in err["message"] and param in err["message"], err
