@@ -70,14 +70,19 @@ def save_chat_stand_in(path, tokenizer_from):
     return save_tiny_llama(path, seed=0, tokenizer_from=tokenizer_from, **CHAT_STAND_IN)
 
 
-# A model that thinks out loud: the chat stand-in's tokenizer with `<think>` and `</think>` as
-# single added (not special) tokens, as Qwen3's and DeepSeek-R1's tokenizers have them, and a
-# 1-layer Llama whose greedy next token depends only on the last token (attention and MLP write
-# nothing; each chain token's embedding is its own basis vector and lm_head maps it to the next
-# one). After the generation prompt's "\n" it writes THINKING_OUTPUT and ends on EOS; after
-# "</think>" (a prompt that closes the block: enable_thinking false) just the answer.
-THINKING_CHAIN = ["\n", "<think>", "The", " user", " asks", "</think>", "Hello", "!", "<|im_end|>"]
+# A model that thinks out loud: the chat stand-in's tokenizer with `<think>`, `</think>`,
+# `<tool_call>` and `</tool_call>` as single added (not special) tokens, as Qwen3's tokenizer has
+# them, and a 1-layer Llama whose greedy next token depends only on the last token (attention and
+# MLP write nothing; each chain token's embedding is its own basis vector and lm_head maps it to
+# the next one). After the generation prompt's "\n" it writes THINKING_OUTPUT and ends on EOS;
+# after "</think>" (a prompt that closes the block: enable_thinking false) just the answer; after
+# "Wait" (a continued assistant message) a hermes tool call, then closes the block and answers.
+THINKING_CHAINS = (
+    ("\n", "<think>", "The", " user", " asks", "</think>", "Hello", "!", "<|im_end|>"),
+    ("Wait", "<tool_call>", '{"', "name", '":"', "f", '","', "arguments", '":', "{}", "}", "</tool_call>", "</think>"),
+)
 THINKING_OUTPUT = "<think>The user asks</think>Hello!"
+_TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 _THINKING_TEMPLATE_END = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>' }}{% endif %}"
@@ -89,14 +94,19 @@ def save_thinking_stand_in(path, tokenizer_from):
     from transformers import AddedToken, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_from)
-    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    template = tok.chat_template
-    head, sep, _ = template.rpartition("{% if add_generation_prompt %}")
+    tok.add_tokens([AddedToken(t, special=False) for t in _TAGS])
+    head, sep, _ = tok.chat_template.rpartition("{% if add_generation_prompt %}")
     assert sep, "the chat template's generation prompt moved"
     tok.chat_template = head + _THINKING_TEMPLATE_END
-    ids = [tok.convert_tokens_to_ids(t) if t.startswith("<") else tok(t).input_ids for t in THINKING_CHAIN]
-    ids = [i[0] if isinstance(i, list) and len(i) == 1 else i for i in ids]
-    assert all(isinstance(i, int) for i in ids), ids
+
+    def token_id(text: str) -> int:
+        ids = tok(text, add_special_tokens=False).input_ids
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    chains = [[token_id(t) for t in chain] for chain in THINKING_CHAINS]
+    pairs = dict(pair for chain in chains for pair in zip(chain, chain[1:]))
+    assert len(pairs) == sum(len(c) - 1 for c in chains), "a token has two successors"
     cfg = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=64,
@@ -117,7 +127,7 @@ def save_thinking_stand_in(path, tokenizer_from):
         for layer in model.model.layers:
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.fill_(1.0)
-        for k, (a, b) in enumerate(zip(ids, ids[1:])):
+        for k, (a, b) in enumerate(pairs.items()):
             model.model.embed_tokens.weight[a, k] = 1.0
             model.lm_head.weight[b, k] = 10.0
     model.save_pretrained(path, safe_serialization=True)

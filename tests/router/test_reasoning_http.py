@@ -3,8 +3,9 @@
 pools, `r1` (reasoning_parser deepseek_r1, tool_call_parser hermes) and `q3` (qwen3). The block
 goes to `reasoning_content` and only the answer to `content`, streamed and not; qwen3 with
 enable_thinking false (the template closes the block in the prompt) has no reasoning; an output
-that starts inside the block (a continued assistant message) splits the same; structured outputs
-and held tool calls are a 400 naming both settings."""
+that starts inside the block (a continued assistant message) splits the same; a tool call
+written inside the block is no call; structured outputs and held tool calls are a 400 naming the
+field and reasoning_parser."""
 
 from __future__ import annotations
 
@@ -49,13 +50,20 @@ def _create(oai, model, stream=False, **kw):
     return oai.chat.completions.create(model=model, messages=ASK, stream=stream, **kw)
 
 
+def _reasoning(message) -> str | None:
+    return getattr(message, "reasoning_content", None)  # the SDK's models keep unknown fields as attributes
+
+
 def _streamed(oai, model, **kw) -> tuple[str, str, str | None]:
+    """(reasoning, content, finish_reason) of a streamed answer; no tag in any delta, and no
+    reasoning after the content began."""
     reasoning = content = ""
     finish = None
     for chunk in _create(oai, model, stream=True, **kw):
         for ch in chunk.choices:
-            r = getattr(ch.delta, "reasoning_content", None) or ""
+            r = _reasoning(ch.delta) or ""
             assert "think>" not in r and "think>" not in (ch.delta.content or ""), ch.delta
+            assert not (r and content), (content, ch.delta)
             reasoning, content = reasoning + r, content + (ch.delta.content or "")
             finish = ch.finish_reason or finish
     return reasoning, content, finish
@@ -65,19 +73,19 @@ def _streamed(oai, model, **kw) -> tuple[str, str, str | None]:
 def test_reasoning_apart_from_the_answer(oai, model):
     r = _create(oai, model)
     msg = r.choices[0].message
-    assert (msg.content, msg.reasoning_content) == (ANSWER, "The user asks"), msg
+    assert (msg.content, _reasoning(msg)) == (ANSWER, "The user asks"), msg
     assert r.choices[0].finish_reason == "stop"
     assert _streamed(oai, model) == ("The user asks", ANSWER, "stop")
     # Cut inside the block: all reasoning so far, no content.
     msg = _create(oai, model, max_tokens=3).choices[0].message
-    assert (msg.content, msg.reasoning_content) == (None, "The user"), msg
+    assert (msg.content, _reasoning(msg)) == (None, "The user"), msg
     assert _streamed(oai, model, max_tokens=3) == ("The user", "", "length")
 
 
 def test_qwen3_with_thinking_off_answers_only(oai):
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     msg = _create(oai, "q3", extra_body=off).choices[0].message
-    assert (msg.content, msg.reasoning_content) == (ANSWER, None), msg
+    assert (msg.content, _reasoning(msg)) == (ANSWER, None), msg
     assert _streamed(oai, "q3", extra_body=off) == ("", ANSWER, "stop")
 
 
@@ -88,15 +96,34 @@ def test_an_output_that_starts_inside_the_block(oai):
     cont = {"continue_final_message": True, "add_generation_prompt": False}
     r = oai.chat.completions.create(model="r1", messages=history, max_tokens=20, temperature=0, extra_body=cont)
     msg = r.choices[0].message
-    assert (msg.content, msg.reasoning_content) == (ANSWER, " user asks"), msg
+    assert (msg.content, _reasoning(msg)) == (ANSWER, " user asks"), msg
 
 
 def test_tool_calls_are_read_from_the_content_only(oai):
-    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    r = _create(oai, "r1", tools=[weather])
+    """A continued assistant message "Wait": the model writes a hermes call inside the block,
+    `<tool_call>{"name":"f","arguments":{}}</tool_call></think>Hello!`. The call is reasoning, not
+    a call; the content holds none."""
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    history = ASK + [{"role": "assistant", "content": "Wait"}]
+    kw = {
+        "messages": history,
+        "tools": [f],
+        "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+    }
+    call = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
+    r = oai.chat.completions.create(model="r1", max_tokens=30, temperature=0, **kw)
     msg = r.choices[0].message
-    assert (msg.content, msg.reasoning_content, msg.tool_calls) == (ANSWER, "The user asks", []), msg
-    assert _streamed(oai, "r1", tools=[weather]) == ("The user asks", ANSWER, "stop")
+    assert (msg.content, _reasoning(msg), msg.tool_calls) == (ANSWER, call, []), msg
+    assert r.choices[0].finish_reason == "stop"
+    reasoning = content = ""
+    for chunk in oai.chat.completions.create(model="r1", max_tokens=30, temperature=0, stream=True, **kw):
+        for ch in chunk.choices:
+            assert not ch.delta.tool_calls, ch.delta
+            reasoning, content = reasoning + (_reasoning(ch.delta) or ""), content + (ch.delta.content or "")
+    assert (reasoning, content) == (call, ANSWER)
+    # The same calls in the content are calls: the plain answer with tools stays text.
+    r = _create(oai, "r1", tools=[f])
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (ANSWER, [])
 
 
 @pytest.mark.parametrize(
