@@ -388,8 +388,10 @@ class OpenAIServing:
                     rest = held[c.index].rest(full, bool(message["tool_calls"])) if tools.auto else None
                     if message["tool_calls"]:
                         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                    elif rest is None or rest:
-                        delta["content"] = message["content"] if rest is None else rest
+                    elif rest is None:
+                        delta["content"] = message["content"]
+                    elif rest:  # after this step's own content: the tail held back as a possible tag
+                        delta["content"] = delta.get("content", "") + rest
                 if not delta and not c.finished and not c.logprobs_delta:
                     continue
                 lp = chat_logprobs(c.logprobs_delta or [], self.client.token_text) if req.logprobs else None

@@ -75,3 +75,55 @@ def test_a_tag_split_across_deltas_is_held_back():
     assert stream.finish("<think>Hm</think>OK<") == ("", "K<")
     # An unfinished tag at the end of the output is text.
     assert ReasoningParser("deepseek_r1").stream().finish("Hm</thin") == ("Hm</thin", "")
+
+
+# A streamed chat with reasoning_parser deepseek_r1 and tool_call_parser hermes, its output cut
+# into engine steps every way: the deltas add up to the finished split, and a call inside the
+# reasoning is never one.
+CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+STREAMED = {
+    f"<think>a {CALL}</think>Hi {CALL}": ("a " + CALL, "Hi", ["f"]),
+    f"<think>a {CALL}</think>b<tool": ("a " + CALL, "b<tool", []),
+    "<think>r</think>": ("r", "", []),
+}
+
+
+def _steps(text: str, cuts: list[int]):
+    from engine.outputs import CompletionOutput, RequestOutput
+
+    bounds = [0, *cuts, len(text)]
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        last = k == len(bounds) - 2
+        out = CompletionOutput(0, text[:b], [], finish_reason="stop" if last else None, text_delta=text[a:b])
+        yield RequestOutput("r", None, [1], [out], finished=last)
+
+
+@pytest.mark.parametrize("text", list(STREAMED))
+def test_streamed_chat_with_tools_adds_up(text):
+    import asyncio
+
+    from router.ingress.openai_api import OpenAIServing
+    from router.ingress.openai_models import ChatCompletionRequest
+    from router.ingress.openai_tools import ToolMode
+
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}
+    req = ChatCompletionRequest.model_validate({**body, "stream": True})
+    serving = OpenAIServing(None, "m", 64, "hermes", reasoning_parser="deepseek_r1")
+    reasoning_parser = ReasoningParser("deepseek_r1")
+
+    async def run(cuts) -> tuple[str, str, list[str]]:
+        async def stream():
+            for out in _steps(text, cuts):
+                yield out
+
+        reasoning, content, calls = "", "", []
+        async for chunk in serving._stream_chat(req, "r", "m", 1, stream(), ToolMode(req, "hermes"), reasoning_parser):
+            for ch in chunk["choices"]:
+                delta = ch["delta"]
+                reasoning += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+                calls += [c["function"]["name"] for c in delta.get("tool_calls") or []]
+        return reasoning, content.strip(), calls
+
+    for i, j in itertools.combinations_with_replacement(range(len(text) + 1), 2):
+        assert asyncio.run(run([i, j])) == STREAMED[text], (i, j)
