@@ -34,6 +34,12 @@ def _d(field: str):
     return AppConfig.model_fields[field].default
 
 
+def _reasoning_parsers() -> tuple[str, ...]:
+    from router.config import REASONING_PARSERS
+
+    return REASONING_PARSERS
+
+
 # Short keys of --model-pool beside ModelPool's own field names (with - or _).
 POOL_KEYS = {"replicas": "num_replicas", "tp": "tensor_parallel_size"}
 
@@ -196,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's tool-call syntax, for tool_choice 'auto' (without one: a 400)",
     )
     s.add_argument(
+        "--reasoning-parser",
+        default=_d("reasoning_parser"),
+        choices=list(_reasoning_parsers()),
+        help="the model's <think> blocks: chat completions return them as reasoning_content, apart from content",
+    )
+    s.add_argument(
         "--max-migrations",
         type=int,
         default=_d("max_migrations"),
@@ -286,6 +298,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         max_queued_requests_per_replica=a.max_queued_requests_per_replica,
         request_timeout_s=a.request_timeout_s,
         tool_call_parser=a.tool_call_parser,
+        reasoning_parser=a.reasoning_parser,
         max_migrations=a.max_migrations,
         drain_timeout_s=a.drain_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,

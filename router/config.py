@@ -22,6 +22,8 @@ from engine.watermark import Watermark
 from router.tiering.settings import TierRouting
 
 ENV_KEY = "ORBITAL_API_KEY"  # the bearer key's default environment variable
+# `<think>` block parsers of chat outputs (router/ingress/reasoning_parsers.py), vLLM's names
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 class ModelPool(BaseModel):
@@ -45,6 +47,7 @@ class ModelPool(BaseModel):
     max_queued_requests_per_replica: int | None = None
     max_queued_requests: int | None = Field(None, description="This pool's queue bound in each router replica.")
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def overrides(self) -> dict:
         """The AppConfig fields this pool sets (its served name included)."""
@@ -185,6 +188,13 @@ class AppConfig(BaseModel):
         None,
         description="The model's tool-call syntax, for tool_choice 'auto' (hermes: <tool_call> JSON "
         "blocks: Hermes 2 Pro, Qwen2.5, Qwen3; llama3_json: Llama 3.1-3.3's JSON calls); None: 'auto' is a 400.",
+    )
+    reasoning_parser: Literal[REASONING_PARSERS] | None = Field(
+        None,
+        description="The model's reasoning syntax: chat completions move the text of its <think>...</think> "
+        "block from `content` to `reasoning_content` (deepseek_r1: DeepSeek-R1, QwQ, the block opened by the "
+        "prompt or the output; qwen3: Qwen3, none with chat_template_kwargs enable_thinking false). Structured "
+        "outputs and held tool calls are then a 400. None: outputs as generated.",
     )
     nonstream_batch_interval_s: float = Field(
         0.5,

@@ -13,7 +13,7 @@ import pytest
 
 from engine import choices
 from engine.engine_args import EngineArgs
-from router.config import AppConfig
+from router.config import REASONING_PARSERS, AppConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # setting -> (its vocabulary, AppConfig's field, the flag in both CLIs or None)
@@ -91,10 +91,20 @@ def test_both_clis_offer_the_vocabulary_and_the_defaults():
     assert router_flags["--scheduling-policy"].choices == list(choices.SCHEDULING_POLICIES)
 
 
+def test_reasoning_parsers_are_one_vocabulary():
+    """A router setting: its values live in router/config.py, read by AppConfig and the CLI."""
+    from router.cli import build_parser
+
+    assert _literal_values(AppConfig.model_fields["reasoning_parser"].annotation) == set(REASONING_PARSERS)
+    assert _flags(build_parser())["--reasoning-parser"].choices == list(REASONING_PARSERS)
+
+
 def test_no_second_spelling_of_a_vocabulary():
     """A literal tuple/list/set equal to one of the vocabularies, anywhere in the product code
-    but engine/choices.py, is a second definition (it would drift)."""
+    but engine/choices.py (and router/config.py's one REASONING_PARSERS), is a second definition
+    (it would drift)."""
     vocabularies = {frozenset(v) for v, _, _ in SETTINGS.values()} | {frozenset(choices.SPECULATIVE_METHODS)}
+    vocabularies.add(frozenset(REASONING_PARSERS))
     found = []
     for package in ("engine", "router", "workers", "loadtest"):
         for path in (ROOT / package).rglob("*.py"):
@@ -104,8 +114,10 @@ def test_no_second_spelling_of_a_vocabulary():
                 if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2:
                     consts = [e.value for e in node.elts if isinstance(e, ast.Constant)]
                     if len(consts) == len(node.elts) and frozenset(consts) in vocabularies:
-                        found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not found, found
+                        found.append((f"{path.relative_to(ROOT)}", frozenset(consts), node.lineno))
+    definition = ("router/config.py", frozenset(REASONING_PARSERS))
+    assert [f[:2] for f in found].count(definition) == 1, found
+    assert [f for f in found if f[:2] != definition] == [], found
 
 
 def test_the_engine_refuses_what_the_vocabulary_leaves_out():

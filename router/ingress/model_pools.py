@@ -129,7 +129,13 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
         handle=handle,
         client=client,
         openai=OpenAIServing(
-            client, cfg.model_name, mc.max_model_len, cfg.tool_call_parser, cfg.report_cached_tokens, watermark
+            client,
+            cfg.model_name,
+            mc.max_model_len,
+            cfg.tool_call_parser,
+            cfg.report_cached_tokens,
+            watermark,
+            cfg.reasoning_parser,
         ),
         tgi=TGIServing(client, cfg.model_name, info, watermark),
         max_model_len=mc.max_model_len,

@@ -30,6 +30,7 @@ from router.ingress.openai_models import (
 )
 from router.ingress.openai_sampling import sampling_params
 from router.ingress.openai_tools import ToolMode, assistant_message, chat_template_arguments, request_message
+from router.ingress.reasoning_parsers import ReasoningParser, ReasoningStream
 from router.ingress.streams import collect, merge
 from router.ingress.tool_parsers import ContentStream
 
@@ -73,11 +74,13 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         report_cached_tokens: bool = True,
         watermark: Watermark | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py); None: refused
         self.report_cached_tokens = report_cached_tokens
         self.watermark = watermark  # the deployment's (AppConfig.watermark_key_file); None: refused
+        self.reasoning_parser = reasoning_parser  # <think> blocks to reasoning_content; None: left in content
 
     def _watermarked(self, req, params: SamplingParams) -> SamplingParams:
         if not req.watermark:
@@ -263,6 +266,7 @@ class OpenAIServing:
             if params.structured_output is not None:
                 raise InvalidRequestError("tool calls exclude response_format and structured_outputs", "tool_choice")
             params = dataclasses.replace(params, structured_output=held_calls)
+        reasoning = self._reasoning(req, params)
         messages = [request_message(m) for m in req.messages]
         kwargs = chat_template_arguments(
             self.client.inputs,
@@ -278,12 +282,16 @@ class OpenAIServing:
         _log_user(rid, req.user)
         stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
         if req.stream:
-            return self._stream_chat(req, rid, name, len(ids), stream, tools)
+            return self._stream_chat(req, rid, name, len(ids), stream, tools, reasoning)
         (out,) = await collect([stream])
         _check_errors(out)
         choices = []
         for c in out.outputs:
-            message, finish = assistant_message(c.text, c.finish_reason, tools)
+            thought, text = reasoning.split(c.text) if reasoning else (None, c.text)
+            message, finish = assistant_message(text or "", c.finish_reason, tools)
+            if reasoning:
+                message["reasoning_content"] = thought
+                message["content"] = message["content"] or None
             choices.append(
                 {
                     "index": c.index,
@@ -302,14 +310,41 @@ class OpenAIServing:
             "usage": _usage(len(ids), [out], self.report_cached_tokens),
         }
 
+    def _reasoning(self, req: ChatCompletionRequest, params: SamplingParams) -> ReasoningParser | None:
+        """The request's reasoning parser (None: none configured). A grammar would hold the
+        reasoning too, leaving the model none: structured outputs and held tool calls are refused
+        (vLLM starts the grammar after the reasoning instead)."""
+        if self.reasoning_parser is None:
+            return None
+        so = params.structured_output
+        if so is not None:
+            guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(req, f)]
+            field = "tool_choice" if so.param == "tools" else guided[0] if guided else so.param
+            what = "a named function or 'required'" if field == "tool_choice" else "structured outputs"
+            raise InvalidRequestError(
+                f"{field}: {what} cannot be combined with this model's reasoning_parser "
+                f"({self.reasoning_parser}): the grammar would also hold the reasoning",
+                param=field,
+            )
+        return ReasoningParser(self.reasoning_parser, req.chat_template_kwargs)
+
     async def _stream_chat(
-        self, req: ChatCompletionRequest, rid: str, name: str, num_prompt: int, stream, tools: ToolMode
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        name: str,
+        num_prompt: int,
+        stream,
+        tools: ToolMode,
+        reasoning: ReasoningParser | None = None,
     ) -> AsyncIterator[dict]:
-        """With tool calls the text is held back: the calls go out whole in the last delta."""
+        """With tool calls the text is held back: the calls go out whole in the last delta. With a
+        reasoning parser the reasoning goes out as `reasoning_content`; the rest is the content."""
         created = int(time.time())
         started: set[int] = set()
         done: set[int] = set()
         held: dict[int, ContentStream] = {}  # tool_choice "auto": content before the first call
+        thinking: dict[int, ReasoningStream] = {}  # per choice: reasoning apart from content
         last = None
 
         def chunk(choices: list[dict]) -> dict:
@@ -329,24 +364,34 @@ class OpenAIServing:
                 if c.index in done:
                     continue
                 delta: dict = {}
-                if tools.active:  # held back: a named/required call whole, "auto" from its first block
-                    text = held.setdefault(c.index, ContentStream(tools.parser)).delta(c.text) if tools.auto else ""
+                full, thought = c.text, ""
+                if reasoning:
+                    split = thinking.setdefault(c.index, reasoning.stream())
+                    thought, text = split.finish(c.text) if c.finished else split.delta(c.text)
+                    full = split.content
                 else:
                     text = c.text_delta
+                if tools.active:  # held back: a named/required call whole, "auto" from its first block
+                    text = held.setdefault(c.index, ContentStream(tools.parser)).delta(full) if tools.auto else ""
+                if thought:
+                    delta["reasoning_content"] = thought
                 if c.index not in started:
                     started.add(c.index)
                     delta["role"] = "assistant"
-                    delta["content"] = text
+                    if text or not thought:  # the first delta has a content ("" until there is some)
+                        delta["content"] = text
                 elif text:
                     delta["content"] = text
                 finish = c.finish_reason
                 if c.finished and tools.active:
-                    message, finish = assistant_message(c.text, c.finish_reason, tools)
-                    rest = held[c.index].rest(c.text, bool(message["tool_calls"])) if tools.auto else None
+                    message, finish = assistant_message(full, c.finish_reason, tools)
+                    rest = held[c.index].rest(full, bool(message["tool_calls"])) if tools.auto else None
                     if message["tool_calls"]:
                         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-                    elif rest is None or rest:
-                        delta["content"] = message["content"] if rest is None else rest
+                    elif rest is None:
+                        delta["content"] = message["content"]
+                    elif rest:  # after this step's own content: the tail held back as a possible tag
+                        delta["content"] = delta.get("content", "") + rest
                 if not delta and not c.finished and not c.logprobs_delta:
                     continue
                 lp = chat_logprobs(c.logprobs_delta or [], self.client.token_text) if req.logprobs else None

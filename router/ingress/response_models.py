@@ -85,7 +85,10 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(
+        None, description="The model's reasoning, apart from `content` (a server with a reasoning_parser)."
+    )
 
 
 class ChatChoice(BaseModel):
@@ -110,6 +113,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, description="Reasoning text (a server with a reasoning_parser).")
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,0 +1,141 @@
+"""Reasoning through a real server and the openai SDK: a model whose greedy output really is
+`<think>The user asks</think>Hello!` (tests/tiny_llama.py, the thinking stand-in) served by two
+pools, `r1` (reasoning_parser deepseek_r1, tool_call_parser hermes) and `q3` (qwen3). The block
+goes to `reasoning_content` and only the answer to `content`, streamed and not; qwen3 with
+enable_thinking false (the template closes the block in the prompt) has no reasoning; an output
+that starts inside the block (a continued assistant message) splits the same; a tool call
+written inside the block is no call; structured outputs and held tool calls are a 400 naming the
+field and reasoning_parser."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.router.conftest import BASE
+from tests.router.test_errors import _check, post
+
+pytestmark = pytest.mark.slow
+ASK = [{"role": "user", "content": "Hi"}]
+ANSWER = "Hello!"
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, smollm_dir):
+    from tests.tiny_llama import save_thinking_stand_in
+
+    return str(save_thinking_stand_in(tmp_path_factory.mktemp("thinking"), smollm_dir))
+
+
+@pytest.fixture(scope="module")
+def reason_app(thinking_model):
+    from tests.serve_cluster import serve_app
+
+    pools = [
+        {"name": "r1", "reasoning_parser": "deepseek_r1", "tool_call_parser": "hermes"},
+        {"name": "q3", "reasoning_parser": "qwen3"},
+    ]
+    config = {**BASE, "kv_cache_memory_bytes": 8 << 20}
+    with serve_app("reason", "/reason", **config, model=thinking_model, num_replicas=1, models=pools) as app:
+        yield app["url"]
+
+
+@pytest.fixture(scope="module")
+def oai(reason_app):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{reason_app}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _create(oai, model, stream=False, **kw):
+    kw = {"max_tokens": 20, "temperature": 0, **kw}
+    return oai.chat.completions.create(model=model, messages=ASK, stream=stream, **kw)
+
+
+def _reasoning(message) -> str | None:
+    return getattr(message, "reasoning_content", None)  # the SDK's models keep unknown fields as attributes
+
+
+def _streamed(oai, model, **kw) -> tuple[str, str, str | None]:
+    """(reasoning, content, finish_reason) of a streamed answer; no tag in any delta, and no
+    reasoning after the content began."""
+    reasoning = content = ""
+    finish = None
+    for chunk in _create(oai, model, stream=True, **kw):
+        for ch in chunk.choices:
+            r = _reasoning(ch.delta) or ""
+            assert "think>" not in r and "think>" not in (ch.delta.content or ""), ch.delta
+            assert not (r and content), (content, ch.delta)
+            reasoning, content = reasoning + r, content + (ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    return reasoning, content, finish
+
+
+@pytest.mark.parametrize("model", ["r1", "q3"])
+def test_reasoning_apart_from_the_answer(oai, model):
+    r = _create(oai, model)
+    msg = r.choices[0].message
+    assert (msg.content, _reasoning(msg)) == (ANSWER, "The user asks"), msg
+    assert r.choices[0].finish_reason == "stop"
+    assert _streamed(oai, model) == ("The user asks", ANSWER, "stop")
+    # Cut inside the block: all reasoning so far, no content.
+    msg = _create(oai, model, max_tokens=3).choices[0].message
+    assert (msg.content, _reasoning(msg)) == (None, "The user"), msg
+    assert _streamed(oai, model, max_tokens=3) == ("The user", "", "length")
+
+
+def test_qwen3_with_thinking_off_answers_only(oai):
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    msg = _create(oai, "q3", extra_body=off).choices[0].message
+    assert (msg.content, _reasoning(msg)) == (ANSWER, None), msg
+    assert _streamed(oai, "q3", extra_body=off) == ("", ANSWER, "stop")
+
+
+def test_an_output_that_starts_inside_the_block(oai):
+    """A continued assistant message "The": the output ` user asks</think>Hello!` has no
+    `<think>` (DeepSeek-R1's template opens the block in the prompt)."""
+    history = ASK + [{"role": "assistant", "content": "The"}]
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    r = oai.chat.completions.create(model="r1", messages=history, max_tokens=20, temperature=0, extra_body=cont)
+    msg = r.choices[0].message
+    assert (msg.content, _reasoning(msg)) == (ANSWER, " user asks"), msg
+
+
+def test_tool_calls_are_read_from_the_content_only(oai):
+    """A continued assistant message "Wait": the model writes a hermes call inside the block,
+    `<tool_call>{"name":"f","arguments":{}}</tool_call></think>Hello!`. The call is reasoning, not
+    a call; the content holds none."""
+    f = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    history = ASK + [{"role": "assistant", "content": "Wait"}]
+    kw = {
+        "messages": history,
+        "tools": [f],
+        "extra_body": {"continue_final_message": True, "add_generation_prompt": False},
+    }
+    call = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
+    r = oai.chat.completions.create(model="r1", max_tokens=30, temperature=0, **kw)
+    msg = r.choices[0].message
+    assert (msg.content, _reasoning(msg), msg.tool_calls) == (ANSWER, call, []), msg
+    assert r.choices[0].finish_reason == "stop"
+    reasoning = content = ""
+    for chunk in oai.chat.completions.create(model="r1", max_tokens=30, temperature=0, stream=True, **kw):
+        for ch in chunk.choices:
+            assert not ch.delta.tool_calls, ch.delta
+            reasoning, content = reasoning + (_reasoning(ch.delta) or ""), content + (ch.delta.content or "")
+    assert (reasoning, content) == (call, ANSWER)
+    # The same calls in the content are calls: the plain answer with tools stays text.
+    r = _create(oai, "r1", tools=[f])
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (ANSWER, [])
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_a_grammar_with_a_reasoning_parser_is_refused(reason_app, extra, param):
+    body = {"model": "r1", "messages": ASK, "max_tokens": 4, **extra}
+    err = _check(post(reason_app, "/v1/chat/completions", json=body), 400, param)
+    assert "reasoning_parser" in err["message"] and param in err["message"], err
