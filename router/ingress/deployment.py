@@ -1,14 +1,14 @@
 """The ingress: a FastAPI Serve deployment. Tokenizes, applies the chat template, picks an engine
 replica (through the engine handle's RequestRouter), detokenizes incrementally and streams.
 
-HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/models), TGI (/, /generate,
+HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models), TGI (/, /generate,
 /generate_stream, /info), operations (/health, /metrics).
 Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or alias tier) their
 `model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
 /metrics cover every pool.
 Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
-`generate` (TGI), `models`, `health`, `metrics`.
+`create_response` (the Responses API), `generate` (TGI), `models`, `health`, `metrics`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
@@ -32,6 +32,7 @@ from router.ingress.errors import APIError, api_path, error_response, install_ha
 from router.ingress.model_pools import ModelPools, PoolClient, SidePool
 from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, is_loopback, serve_http_host
+from router.ingress.responses_api import ResponsesAPI
 from router.ingress.shared_result import SharedResult
 from router.metrics import render_pools
 from router.replica_choice.registry import known_replicas
@@ -76,6 +77,11 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _sse_event(obj: dict) -> str:
+    """The Responses API's framing: each event named by its type; no `[DONE]` at the end."""
+    return f"event: {obj.get('type')}\n{_sse(obj)}"
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -102,6 +108,8 @@ class Ingress:
         self.pools = await ModelPools.build(cfg, engines)
         default = self.pools.default
         self.engine, self.client, self.openai, self.tgi = default.handle, default.client, default.openai, default.tgi
+        # Stored responses live in this replica's memory (router/ingress/responses_api.py).
+        self.responses = ResponsesAPI(self.pools.chat_completions)
         self.prefill = SidePool("prefill", prefill, cfg.prefill_replicas) if prefill is not None else None
         # /health (anyone may call it) shares one fan-out a second; /metrics (behind the key)
         # shares the one in flight. The handle methods compute their own.
@@ -160,8 +168,9 @@ class Ingress:
         finally:
             await it.aclose()
 
-    async def _respond(self, request: Request, make, tgi: bool = False) -> Response:
-        """`make(body)` -> coroutine of a dict or of an async iterator of chunk dicts."""
+    async def _respond(self, request: Request, make, tgi: bool = False, events: bool = False) -> Response:
+        """`make(body)` -> coroutine of a dict or of an async iterator of chunk dicts (`events`:
+        Responses API events)."""
         try:
             result = await self._call(make(await self._body(request)))
             if not hasattr(result, "__anext__"):
@@ -170,23 +179,31 @@ class Ingress:
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))
         return WriteDeadlineResponse(
-            self._sse_stream(first, result, tgi),
+            self._sse_stream(first, result, tgi, events),
             self.settings.write_timeout_s,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _sse_stream(self, first: dict, rest: AsyncIterator[dict], tgi: bool):
+    async def _sse_stream(self, first: dict, rest: AsyncIterator[dict], tgi: bool, events: bool = False):
+        frame = _sse_event if events else _sse
+        last = first
         try:
-            yield _sse(first)
+            yield frame(first)
             async for chunk in rest:
-                yield _sse(chunk)
+                last = chunk
+                yield frame(chunk)
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
             err = to_api_error(e)
-            yield _sse(err.tgi_body() if tgi else err.openai_body())
+            if events:  # the request's deadline, which ends the event stream from outside
+                seq = last.get("sequence_number", 0) + 1
+                body = {"type": "error", "sequence_number": seq, "code": err.code, "message": err.message}
+                yield frame({**body, "param": err.param})
+            else:
+                yield frame(err.tgi_body() if tgi else err.openai_body())
         finally:
             await rest.aclose()
-        if not tgi:
+        if not tgi and not events:
             yield "data: [DONE]\n\n"
 
     # --- OpenAI -----------------------------------------------------------------------------
@@ -215,6 +232,28 @@ class Ingress:
     async def http_chat_completions(self, request: Request) -> Response:
         hint = request.headers.get(HINT_HEADER)
         return await self._respond(request, lambda body: self.pools.chat_completions(body, hint))
+
+    @app.post("/v1/responses")
+    async def http_responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, on the chat completions path (router/ingress/responses_api.py)."""
+        hint = request.headers.get(HINT_HEADER)
+        return await self._respond(request, lambda body: self.responses.create(body, hint), events=True)
+
+    @app.get("/v1/responses/{response_id}")
+    async def http_get_response(self, request: Request, response_id: str) -> Response:
+        """A stored response (this router replica's memory)."""
+        return await self._stored(request, lambda: self.responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def http_delete_response(self, request: Request, response_id: str) -> Response:
+        return await self._stored(request, lambda: self.responses.delete(response_id))
+
+    async def _stored(self, request: Request, answer) -> Response:
+        try:
+            self._auth(request)
+            return JSONResponse(answer())
+        except Exception as e:  # noqa: BLE001 - every error in the API's shape
+            return error_response(e, api_path(request))
 
     @app.get("/v1/models", response_model=None)  # the annotation is not a response model
     async def http_models(self, request: Request) -> JSONResponse | dict:
@@ -341,6 +380,9 @@ class Ingress:
 
     async def chat_completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
         return await self._call(self.pools.chat_completions(body, tier_hint))
+
+    async def create_response(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
+        return await self._call(self.responses.create(body, tier_hint))
 
     async def tokenize(self, body: dict) -> dict:
         return await self._call(self.pools.tokenize(body))

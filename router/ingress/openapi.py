@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from router.ingress.errors import is_tgi_path
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, WatermarkDetectRequest
 from router.ingress.response_models import SSE, SUCCESS, Health
+from router.ingress.responses_models import ResponsesRequest
 from router.ingress.tgi_models import GenerateRequest
 from router.ingress.tokenize_api import DetokenizeRequest, TokenizeRequest
 from router.tiering.policy import HINT_HEADER
@@ -24,6 +25,7 @@ REF = "#/components/schemas/{model}"
 BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/completions", "post"): CompletionRequest,
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/responses", "post"): ResponsesRequest,
     ("/v1/watermark/detect", "post"): WatermarkDetectRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
@@ -34,7 +36,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
 OPENAI_ERRORS = {
     "400": "Invalid request (bad JSON, field or value; prompt over the context length).",
     "401": "Missing or wrong API key.",
-    "404": "Unknown model.",
+    "404": "Unknown model (or stored response).",
     "413": "Body over the size limit.",
     "415": "Content-Type is not JSON.",
     "429": "Overloaded: retry after the Retry-After header's seconds.",
@@ -42,7 +44,11 @@ OPENAI_ERRORS = {
     "504": "The request's deadline passed.",
 }
 # The routes whose requests may name a tier alias, which takes the hint header.
-TIER_HINTED = {("/v1/completions", "post"), ("/v1/chat/completions", "post")}
+TIER_HINTED = {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/responses", "post")}
+# Routes without a body that still answer in the OpenAI error shape.
+BODILESS = {("/v1/responses/{response_id}", "get"), ("/v1/responses/{response_id}", "delete")}
+# Event streams that end without `data: [DONE]`.
+NO_DONE = {"/v1/responses"}
 TIER_HINT = {
     "name": HINT_HEADER,
     "in": "header",
@@ -101,7 +107,7 @@ def _sse_event(ref: dict[str, str], done: bool) -> dict[str, Any]:
 
 
 def _success(schemas: dict[str, Any], bodies: dict[str, type[BaseModel]], path: str) -> dict[str, Any]:
-    done = path.startswith("/v1/")
+    done = path.startswith("/v1/") and path not in NO_DONE
     content = {
         ctype: {"schema": _sse_event(_add_schema(schemas, m), done) if ctype == SSE else _add_schema(schemas, m)}
         for ctype, m in bodies.items()
@@ -144,6 +150,11 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
             op["responses"].update(
                 _error_responses(TGI_ERRORS, "TGIError") if tgi else _error_responses(OPENAI_ERRORS, "OpenAIError")
             )
+        for path, method in BODILESS:
+            op = spec["paths"].get(path, {}).get(method)
+            if op is not None:
+                op["responses"].pop("422", None)
+                op["responses"].update(_error_responses(OPENAI_ERRORS, "OpenAIError"))
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
         app.openapi_schema = spec

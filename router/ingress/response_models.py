@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, RootModel
 
 from router.ingress.openai_models import ModelList
+from router.ingress.responses_models import ResponseDeleted, ResponseObject, ResponseStreamEvent
 from router.ingress.tgi_models import Details, StreamResponse
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -209,6 +210,9 @@ SUCCESS: dict[tuple[str, str], dict[str, type[BaseModel]]] = {
     ("/generate", "post"): {JSON: GenerateResponse},
     ("/generate_stream", "post"): {SSE: StreamResponse},
     ("/", "post"): {JSON: GenerateResponses, SSE: StreamResponse},
+    ("/v1/responses", "post"): {JSON: ResponseObject, SSE: ResponseStreamEvent},
+    ("/v1/responses/{response_id}", "get"): {JSON: ResponseObject},
+    ("/v1/responses/{response_id}", "delete"): {JSON: ResponseDeleted},
     ("/v1/models", "get"): {JSON: ModelList},
     ("/info", "get"): {JSON: Info},
     ("/health", "get"): {JSON: Health},
