@@ -73,6 +73,7 @@ TGI_SAMPLING = {
 RF = "tests/router/test_request_fields.py"
 OA = "tests/router/test_openai_api.py"
 TK = "tests/router/test_tokenize.py"
+RS = "tests/router/test_responses_api.py"
 # Fields whose effect is outside SamplingParams, or that are refused: the test that shows it.
 SHOWN_BY = {
     "CompletionRequest": {
@@ -109,6 +110,41 @@ SHOWN_BY = {
         "add_generation_prompt": f"{RF}::test_chat_generation_prompt_fields",
         "continue_final_message": f"{RF}::test_chat_generation_prompt_fields",
         "user": f"{RF}::test_user_is_logged_with_the_request_id",
+    },
+    "ResponsesRequest": {
+        "model": f"{RS}::test_unsupported_fields_are_400s_naming_them",
+        "input": f"{RS}::test_create_equals_chat_completions",
+        "instructions": f"{RS}::test_create_equals_chat_completions",
+        "metadata": f"{RS}::test_create_equals_chat_completions",
+        "user": f"{RS}::test_create_equals_chat_completions",
+        "temperature": f"{RS}::test_create_equals_chat_completions",
+        "top_p": f"{RS}::test_top_p_reaches_the_sampler",
+        "max_output_tokens": f"{RS}::test_max_output_tokens_is_honoured",
+        "stream": f"{RS}::test_stream_events",
+        "previous_response_id": f"{RS}::test_previous_response_id_continues_the_conversation",
+        "store": f"{RS}::test_store_false_is_not_kept",
+        "text": f"{RS}::test_text_format_json_schema",
+        "tools": f"{RS}::test_function_tool_round_trip",
+        "tool_choice": f"{RS}::test_function_tool_round_trip",
+        "parallel_tool_calls": f"{RS}::test_required_calls_and_parallel_tool_calls",
+        **{
+            f: f"{RS}::test_unsupported_fields_are_400s_naming_them"
+            for f in (
+                "truncation",
+                "background",
+                "conversation",
+                "include",
+                "max_tool_calls",
+                "prompt",
+                "prompt_cache_key",
+                "prompt_cache_retention",
+                "reasoning",
+                "safety_identifier",
+                "service_tier",
+                "stream_options",
+                "top_logprobs",
+            )
+        },
     },
     "WatermarkDetectRequest": {
         "text": f"{RF}::test_watermarked_outputs_over_http_are_detected",
