@@ -144,7 +144,8 @@ class ResponsesRequest(_Request):
         """(field, why) of the first field set that Orbital does not do."""
         for name, why in REFUSED.items():
             value = getattr(self, name)
-            if value is not None and not (name == "background" and value is False):
+            harmless = (name == "background" and value is False) or (name == "include" and value == [])
+            if value is not None and not harmless:
                 return name, why
         if self.text is not None and self.text.verbosity is not None:
             return "text.verbosity", "text.verbosity is not supported"
