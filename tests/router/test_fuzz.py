@@ -91,16 +91,23 @@ HOSTILE_RAW = [
 def test_hostile_bodies_never_5xx(fuzz_url, bystander):
     with httpx.Client(timeout=120) as c:
         for body in HOSTILE:
-            for path in ("/v1/completions", "/v1/chat/completions"):
-                if path.endswith("chat/completions"):
-                    body = {
-                        **{k: v for k, v in body.items() if k != "prompt"},
-                        "messages": [{"role": "user", "content": body.get("prompt")}],
-                    }
-                r = c.post(f"{fuzz_url}{path}", json=body)
-                assert r.status_code < 500, (path, str(body)[:200], r.status_code, r.text[:300])
+            rest = {k: v for k, v in body.items() if k != "prompt"}
+            for path, sent in (
+                ("/v1/completions", body),
+                ("/v1/chat/completions", {**rest, "messages": [{"role": "user", "content": body.get("prompt")}]}),
+                ("/v1/responses", {**rest, "input": body.get("prompt")}),
+            ):
+                r = c.post(f"{fuzz_url}{path}", json=sent)
+                assert r.status_code < 500, (path, str(sent)[:200], r.status_code, r.text[:300])
         for raw in HOSTILE_RAW:
-            for path in ("/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream", "/"):
+            for path in (
+                "/v1/completions",
+                "/v1/chat/completions",
+                "/v1/responses",
+                "/generate",
+                "/generate_stream",
+                "/",
+            ):
                 r = c.post(f"{fuzz_url}{path}", content=raw, headers={"content-type": "application/json"})
                 assert 400 <= r.status_code < 500, (path, raw[:60], r.status_code, r.text[:300])
 
