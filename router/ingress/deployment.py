@@ -251,6 +251,8 @@ class Ingress:
     async def _stored(self, request: Request, answer) -> Response:
         try:
             self._auth(request)
+            for name in request.query_params:  # OpenAI's include, stream, starting_after: not done here
+                raise APIError(400, f"{name}: query parameters are not supported on this route", param=name)
             return JSONResponse(answer())
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))

@@ -204,6 +204,13 @@ class ResponsesAPI:
         refused = req.refused()
         if refused is not None:
             raise InvalidRequestError(f"{refused[0]}: {refused[1]}", param=refused[0])
+        auto = req.tool_choice == "auto" or (req.tool_choice is None and bool(req.tools))
+        if auto and not req.parallel_tool_calls:  # a tool-call parser finds every call there is
+            raise InvalidRequestError(
+                "parallel_tool_calls: false is honoured with tool_choice 'required' or a named function, "
+                "not with 'auto'",
+                param="parallel_tool_calls",
+            )
         history: list[dict] = []
         if req.previous_response_id is not None:
             found = self.store.get(req.previous_response_id)
