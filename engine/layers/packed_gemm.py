@@ -120,6 +120,13 @@ def row_bucket(m: int) -> int:
     return -(-m // step) * step
 
 
+def _in_weight_order(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A packed int4 weight with `input_order` (GPTQ act-order) holds its columns in that order
+    of the inputs: x is gathered to match. Asked of int4 weights only, not of every linear."""
+    order = weight.input_order
+    return x if order is None else x.index_select(-1, order)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, or the packed oneDNN GEMM when `weight` was packed by `pack_weight`; the
     few-row C++ op at up to SMALL_ROWS rows (CPU), at every row count for a weight small_rows()
@@ -129,17 +136,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         from engine.layers.quant.int8 import int8_linear
 
         return int8_linear(x, weight, bias)
-    order = getattr(weight, "input_order", None)
-    if order is not None:  # GPTQ act-order: the weight's columns hold the inputs in this order
-        x = x.index_select(-1, order)
     if is_cuda_int4(weight):
         from engine.layers.quant.cuda_int4 import int4_linear_cuda
 
-        return int4_linear_cuda(x, weight, bias)
+        return int4_linear_cuda(_in_weight_order(x, weight), weight, bias)
     if weight.dtype == torch.uint8:
         from engine.layers.quant.int4 import int4_linear
 
-        return int4_linear(x, weight, bias)
+        return int4_linear(_in_weight_order(x, weight), weight, bias)
     if weight.dim() == 3:
         return _rows16_linear(x, weight, bias)
     flat = x.dim() == 2  # the usual case: no reshapes (each costs ~2 us of dispatch per call)

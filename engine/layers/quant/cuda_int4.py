@@ -61,6 +61,7 @@ def pack_int4_cuda(
             planes = torch.stack([scale, minimum + 8 * scale]).to(torch.bfloat16).contiguous()
         param.scale_min = planes
         param.group_size, param.two_nibbles, param.out_features = group_size, split, q.shape[0]
+        param.input_order = None
         param.rows = param.scales_zeros_bf16 = None  # the rows are the parameter itself
         return param
     n, k = q.shape
@@ -75,6 +76,7 @@ def pack_int4_cuda(
     sz = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1)  # the kernel's (q - 8) * s + z
     param.scales_zeros_bf16 = sz.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
+    param.input_order = None
     param.rows, param.scale_min = (
         (pairs[:n], torch.stack([scale[:n].t(), minimum[:n].t()]).contiguous()) if keep_rows else (None, None)
     )

@@ -49,6 +49,7 @@ def pack_int4(
     zeros = torch.stack([scale.t(), (minimum + 8 * scale).t()], dim=-1)  # the kernel's (q - 8) * s + z
     param.scales_zeros_bf16 = zeros.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
+    param.input_order = None  # GPTQ act-order sets the column order (quant/apply.py)
     return param
 
 
