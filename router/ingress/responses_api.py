@@ -7,7 +7,7 @@ tool calls and structured outputs); the chat answer, or its streamed chunks, bec
 object, or its events.
 
 Stored responses (`store`, default true) live in this router replica's memory only, for
-`STORE_TTL_S` and at most `STORE_MAX` of them (the oldest go first): a restart, or a request
+an hour and at most 1024 of them (response_store.py) (the oldest go first): a restart, or a request
 that another router replica serves, finds no stored response (a 404, as for an unknown id).
 """
 
@@ -16,12 +16,12 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from engine.errors import InvalidRequestError
 from router.ingress.errors import APIError, parse_body, to_api_error
+from router.ingress.response_store import ResponseStore
 from router.ingress.responses_models import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -30,39 +30,7 @@ from router.ingress.responses_models import (
     ResponsesRequest,
 )
 
-STORE_TTL_S = 3600.0
-STORE_MAX = 1024
-
 Chat = Callable[[dict, "str | None"], Awaitable[Any]]
-
-
-class ResponseStore:
-    """Stored responses by id, each with the conversation that led to it (chat messages, its
-    own output last), dropped after `ttl_s` or when more than `max_items` are kept."""
-
-    def __init__(self, max_items: int = STORE_MAX, ttl_s: float = STORE_TTL_S) -> None:
-        self.max_items, self.ttl_s = max_items, ttl_s
-        self._items: OrderedDict[str, tuple[float, dict, list[dict]]] = OrderedDict()
-
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._expire()
-        self._items[response["id"]] = (time.monotonic() + self.ttl_s, response, conversation)
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
-        self._expire()
-        entry = self._items.get(response_id)
-        return None if entry is None else (entry[1], entry[2])
-
-    def delete(self, response_id: str) -> bool:
-        self._expire()
-        return self._items.pop(response_id, None) is not None
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._items and next(iter(self._items.values()))[0] <= now:
-            self._items.popitem(last=False)
 
 
 def not_found(response_id: str, param: str | None = None) -> APIError:
