@@ -80,6 +80,17 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self._every_expert(x, weights, chosen)
+        else:
+            out = self._chosen_experts(x, weights, chosen)
+        out = tp_all_reduce(out)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return out
+
+    def _chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert over its own tokens: which experts those are is read on the host."""
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():
             local = self.local.get(expert)
@@ -88,9 +99,17 @@ class SparseMoE(nn.Module):
             rows, slot = torch.where(chosen == expert)
             y = self.experts[local](x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(x.dtype))
-        out = tp_all_reduce(out)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return out
+
+    def _every_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Every local expert over every token, weighted by zero where not chosen: no host read,
+        so a CUDA graph can capture it (decode steps of at most 256 rows). It computes
+        experts/top_k times the chosen experts' work, the same sum in another order."""
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, chosen, weights)
+        out = torch.zeros_like(x)
+        for expert, local in self.local.items():
+            out += (self.experts[local](x) * dense[:, expert, None]).to(x.dtype)
         return out
 
     def checkpoint_name(self, name: str) -> str | None:

@@ -51,3 +51,25 @@ def test_moe_experts_quantize(tmp_path, smollm_dir):
     got, _ = _run(tmp_path, PROMPTS, num_blocks=64, quantization="int8")
     first = [abs(g[1][0] - r[1][0]) for g, r in zip(got, ref)]  # the first token: same context
     assert max(first) < 0.1, first
+
+
+def test_every_expert_weighted_equals_the_chosen_experts(tmp_path, smollm_dir):
+    """The form a CUDA graph captures (every expert over every token, zero weight where not
+    chosen) sums what the chosen experts' form sums: float32 rounding of a sum in another order."""
+    import torch
+
+    from engine.layers.moe import SparseMoE
+
+    save_moe("qwen3_moe", tmp_path, smollm_dir)
+    llm = LLM(str(tmp_path), dtype="float32", num_threads=2, num_blocks=8)
+    try:
+        moe = next(m for m in llm.engine.core.executor.runner.model.modules() if isinstance(m, SparseMoE))
+        x = torch.randn(37, 64)
+        weights, chosen = torch.topk(torch.softmax(torch.randn(37, moe.num_experts), -1), moe.top_k, dim=-1)
+        sparse, dense = moe._chosen_experts(x, weights, chosen), moe._every_expert(x, weights, chosen)
+        assert len(torch.unique(chosen)) == moe.num_experts  # every expert has tokens here
+        torch.testing.assert_close(dense, sparse, rtol=1e-5, atol=1e-5 * sparse.abs().max().item())
+        moe_zero = moe._every_expert(x, torch.zeros_like(weights), chosen)
+        assert torch.count_nonzero(moe_zero) == 0
+    finally:
+        llm.shutdown()
