@@ -1,7 +1,14 @@
-"""Rotary position embedding (neox / HF "rotate_half" layout) with default, linear and
-llama3 frequency scaling, cached as cos/sin tables indexed by absolute position. Partial
-rotary (Phi-3's `partial_rotary_factor` < 1) rotates the first `rotary_dim` of each head and
-passes the rest through."""
+"""Rotary position embedding (neox / HF "rotate_half" layout) with default, linear, llama3,
+YaRN and LongRoPE frequency scaling, cached as cos/sin tables indexed by absolute position.
+Partial rotary (Phi-3's `partial_rotary_factor` < 1) rotates the first `rotary_dim` of each
+head and passes the rest through.
+
+YaRN and LongRoPE frequencies and their attention factor come from transformers' own
+`ROPE_INIT_FUNCTIONS`. LongRoPE (Phi-3 128k, Phi-3.5) has two sets: transformers uses the long
+one for a whole forward once the sequence passes `original_max_position_embeddings`, which
+would make a prefix's keys depend on what follows it. Here a position takes the short factors
+below that length and the long ones from it on, so cached blocks stay valid and results do not
+depend on the batch; within that length (4,096 for Phi-3's 128k models) both agree exactly."""
 
 from __future__ import annotations
 
@@ -44,7 +51,8 @@ def rope_parameters(config: PretrainedConfig, layer_type: str = "full_attention"
     return params
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+TRANSFORMERS_ROPE_TYPES = ("yarn", "longrope")  # computed by transformers' ROPE_INIT_FUNCTIONS
+ROPE_TYPES = ("default", "linear", "llama3", *TRANSFORMERS_ROPE_TYPES)
 
 
 def rotary_dim_of(head_dim: int, params: dict) -> int:
@@ -74,19 +82,54 @@ def _inv_freq(head_dim: int, params: dict) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_TYPES)} are)")
 
 
+def _transformers_freqs(
+    config: PretrainedConfig | None, params: dict, pos: torch.Tensor, layer_type: str | None
+) -> tuple[torch.Tensor, float]:
+    """(position x frequency angles, attention factor) for YaRN and LongRoPE, from transformers."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kind = params["rope_type"]
+    if config is None:
+        raise ValueError(f"rope_scaling type {kind!r} needs the model's config")
+    nested = any(isinstance((getattr(config, "rope_parameters", None) or {}).get(t), dict) for t in LAYER_TYPES)
+    kw = {"layer_type": layer_type} if nested else {}
+    init = ROPE_INIT_FUNCTIONS[kind]
+    inv, attention_factor = init(config, torch.device("cpu"), **kw)
+    freqs = pos[:, None] * inv.float()[None, :]
+    if kind == "longrope":
+        original = int(params.get("original_max_position_embeddings") or config.original_max_position_embeddings)
+        long_inv, _ = init(config, torch.device("cpu"), seq_len=original + 1, **kw)
+        far = pos >= original
+        freqs[far] = pos[far, None] * long_inv.float()[None, :]
+    return freqs, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, params: dict, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict,
+        dtype: torch.dtype = torch.float32,
+        config: PretrainedConfig | None = None,
+        layer_type: str | None = None,
+    ) -> None:
+        """`config` (and `layer_type` where the config nests its RoPE per layer type): what
+        transformers computes YaRN and LongRoPE from."""
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim_of(head_dim, params)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
             raise ValueError(f"partial_rotary_factor gives a rotary width of {self.rotary_dim} for head_dim {head_dim}")
-        inv = _inv_freq(self.rotary_dim, params)
         pos = torch.arange(max_position, dtype=torch.float32)
-        freqs = pos[:, None] * inv[None, :]
+        if params["rope_type"] in TRANSFORMERS_ROPE_TYPES:
+            freqs, scale = _transformers_freqs(config, params, pos, layer_type)
+        else:
+            freqs, scale = pos[:, None] * _inv_freq(self.rotary_dim, params)[None, :], 1.0
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        # transformers scales cos and sin by the attention factor (YaRN, LongRoPE), in float32
+        self.register_buffer("cos", (emb.cos() * scale).to(dtype), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scale).to(dtype), persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,8 @@ class GemmaModel(nn.Module):
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         head_dim = head_dim_of(config)
         rotary = {
-            t: RotaryEmbedding(head_dim, max_position, rope_parameters(config, t), dtype) for t in sorted(set(types))
+            t: RotaryEmbedding(head_dim, max_position, rope_parameters(config, t), dtype, config, t)
+            for t in sorted(set(types))
         }
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, arch, rotary[t], dtype) for t in types)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)

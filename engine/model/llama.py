@@ -48,7 +48,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, arch: Architecture, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype)
+        rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype, config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, arch, rotary, dtype, i) for i in range(config.num_hidden_layers)
         )
