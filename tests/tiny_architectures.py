@@ -1,4 +1,4 @@
-"""Tiny random Qwen3, Phi-3 and Gemma 3 checkpoints saved as real HF directories (2 layers, width 64,
+"""Tiny random Qwen3, Phi-3, Gemma 2 and Gemma 3 checkpoints saved as real HF directories (2 layers, width 64,
 4 heads over 2 KV heads, vocab 512), shared by the engine and tensor-parallel tests."""
 
 from __future__ import annotations
@@ -39,10 +39,21 @@ GEMMA3 = dict(
 )
 
 
+# Gemma 2: Gemma 3's layout without q/k norms or per-type RoPE bases; soft-caps as the test sets.
+GEMMA2 = dict(
+    TINY,
+    head_dim=32,
+    query_pre_attn_scalar=24,
+    layer_types=["sliding_attention", "full_attention"],
+    sliding_window=128,
+    tie_word_embeddings=True,
+    architectures=["Gemma2ForCausalLM"],
+)
+
+
 def tiny_config(kind: str, **overrides):
     """qwen3: head_dim 32 from the config (not hidden/heads = 16), q/k norms; phi3: fused
-    checkpoint tensors, half of each head rotated; gemma3: as GEMMA3 says; gemma2: for its
-    refusal."""
+    checkpoint tensors, half of each head rotated; gemma3 and gemma2: as GEMMA3 and GEMMA2 say."""
     from transformers import Phi3Config, Qwen3Config
 
     if kind == "qwen3":
@@ -56,7 +67,7 @@ def tiny_config(kind: str, **overrides):
     if kind == "gemma2":
         from transformers import Gemma2Config
 
-        return Gemma2Config(**{**TINY, "head_dim": 32, "architectures": ["Gemma2ForCausalLM"], **overrides})
+        return Gemma2Config(**{**GEMMA2, **overrides})
     raise ValueError(kind)
 
 

@@ -23,8 +23,8 @@ class Architecture:
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj whole (Phi-3)
     hidden_act: str = "silu"
     act_field: str = "hidden_act"  # the config field naming the MLP activation
-    # Gemma 3's layer (model/gemma.py): (1 + weight) RMSNorms, four per layer, scaled embeddings,
-    # GeGLU, query_pre_attn_scalar, each layer type with its own RoPE
+    # Gemma's layer (model/gemma.py): (1 + weight) RMSNorms, four per layer, scaled embeddings,
+    # GeGLU, query_pre_attn_scalar, each layer type with its own RoPE, logit soft-capping
     gemma: bool = False
 
 
@@ -40,16 +40,14 @@ ARCHITECTURES = {
         Architecture("MixtralForCausalLM"),
         Architecture("Qwen2MoeForCausalLM", qkv_bias=True, o_bias=False),
         Architecture("Qwen3MoeForCausalLM", qk_norm=True),
+        Architecture("Gemma2ForCausalLM", gemma=True, hidden_act="gelu_pytorch_tanh", act_field="hidden_activation"),
         Architecture(
             "Gemma3ForCausalLM", qk_norm=True, gemma=True, hidden_act="gelu_pytorch_tanh", act_field="hidden_activation"
         ),
     )
 }
 # Architectures known and refused, with the field the engine lacks.
-REFUSED = {
-    "Gemma2ForCausalLM": "it needs attn_logit_softcapping (tanh soft-capping of the attention scores "
-    "inside the paged-attention kernels), which the engine does not implement",
-}
+REFUSED: dict[str, str] = {}
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 
 

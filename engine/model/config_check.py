@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # Fields with no implementation in the engine; None, 0 or False in the config leaves the math alone.
+# Gemma's layer soft-caps (model/gemma.py); no other architecture reads these.
+_GEMMA_ONLY = ("attn_logit_softcapping", "final_logit_softcapping")
 _UNIMPLEMENTED = (
-    "attn_logit_softcapping",
-    "final_logit_softcapping",
     "dual_chunk_attention_config",
     "use_bidirectional_attention",
 )
@@ -41,7 +41,7 @@ def check_model_config(config: PretrainedConfig) -> Architecture:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     for layer_type in sorted(set(getattr(config, "layer_types", None) or ()) | {"full_attention"}):
         _check_rope(rope_parameters(config, layer_type), head_dim)
-    for name in _UNIMPLEMENTED:
+    for name in _UNIMPLEMENTED + (() if arch.gemma else _GEMMA_ONLY):
         if getattr(config, name, None):
             raise ValueError(f"{name}={getattr(config, name)!r} is not supported for {arch.name}")
     return arch

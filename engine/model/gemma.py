@@ -1,5 +1,7 @@
-"""Gemma 3 text (`Gemma3ForCausalLM`) on the Llama decoder's attention and linears (model/llama_layers.py). What differs
-(transformers' modeling_gemma3.py):
+"""Gemma 3 text (`Gemma3ForCausalLM`) and Gemma 2 (`Gemma2ForCausalLM`) on the Llama decoder's
+attention and linears (model/llama_layers.py). What differs (transformers' modeling_gemma3.py;
+Gemma 2 has no q/k norms, one RoPE for both layer types, and soft-caps the attention scores
+before the softmax, on the reference backend, and the logits: model/llama.py):
 
 - RMSNorm scales by (1 + weight) in float32 (layers/norm.py GemmaRMSNorm), also over each q and
   k head before RoPE;

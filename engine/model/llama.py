@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention import Attention
+from engine.layers.attention.reference import soft_cap
 from engine.layers.moe import SparseMoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
@@ -91,7 +92,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None) if self.arch.gemma else None
+        return soft_cap(logits, cap) if logits is not None else None
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

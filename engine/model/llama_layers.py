@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
+from engine.layers.attention.reference import ReferenceAttentionBackend
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.moe import SparseMoE, is_moe_layer
 from engine.layers.norm import GemmaRMSNorm, RMSNorm
@@ -57,7 +58,11 @@ class LlamaAttention(nn.Module):
         # Gemma scales scores by query_pre_attn_scalar ** -0.5, which need not be head_dim's.
         scalar = getattr(config, "query_pre_attn_scalar", None) if arch.gemma else None
         scale = (scalar or self.head_dim) ** -0.5
-        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, scale)
+        # Gemma 2 soft-caps the scores before the softmax: only the reference backend's explicit
+        # scores have that step (the C++ and Triton kernels do not), for every layer alike.
+        softcap = getattr(config, "attn_logit_softcapping", None) if arch.gemma else None
+        backend = ReferenceAttentionBackend(softcap) if softcap else None
+        self.attn = Attention(self.qkv_proj.num_heads, self.head_dim, self.qkv_proj.num_kv_heads, scale, backend)
 
     @property
     def llama_math(self) -> bool:

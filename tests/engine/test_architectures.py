@@ -154,7 +154,7 @@ def test_llama_family_fields_are_checked():
     cfg.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match="rope_scaling"):
         check_model_config(cfg)
-    cfg.architectures = ["Gemma2ForCausalLM"]
+    cfg.architectures = ["GemmaForCausalLM"]  # Gemma 1: not implemented
     with pytest.raises(ValueError, match="architectures"):
         check_model_config(cfg)
 

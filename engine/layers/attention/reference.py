@@ -35,20 +35,34 @@ def gather_blocks(cache: torch.Tensor, flat_block_ids: torch.Tensor, b: int, dty
     return dequantize_rows(out.view(cache.dtype), dtype) if is_quantized_cache(cache.dtype) else out.to(dtype)
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) in place (Gemma 2's logit soft-capping); None leaves them."""
+    if cap is not None:
+        scores.div_(cap).tanh_().mul_(cap)
+    return scores
+
+
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None = None
 ) -> torch.Tensor:
-    """q [Hkv, b, G, D], k/v [Hkv, b, L, D], mask [b, 1, L] bool -> [Hkv, b, G, D].
+    """q [Hkv, b, G, D], k/v [Hkv, b, L, D], mask [b, 1, L] bool -> [Hkv, b, G, D] (also a
+    prompt chunk's [Hkv, 1, G*n, D] against its mask [1, G*n, L]).
 
     Two small matmuls with a float32 softmax: for a handful of query rows per sequence this
     beats the CPU flash kernel, which is built for long query blocks."""
-    s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    s = soft_cap(torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale), softcap)
     s.masked_fill_(~mask, float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
 
 
 class ReferenceAttentionBackend(AttentionBackend):
+    """`softcap`: scores soft-capped before the softmax (Gemma 2), with explicit scores in
+    place of SDPA, which has no such step."""
+
     name = "reference"
+
+    def __init__(self, softcap: float | None = None) -> None:
+        self.softcap = softcap
 
     def forward(
         self,
@@ -79,7 +93,7 @@ class ReferenceAttentionBackend(AttentionBackend):
             qb = q[bk.start : bk.end].view(b, hkv, g, d).transpose(0, 1)
             kb = gather_blocks(kv_cache[0], bk.flat_block_ids, b, q.dtype)
             vb = gather_blocks(kv_cache[1], bk.flat_block_ids, b, q.dtype)
-            o = decode_attention(qb, kb, vb, bk.mask, scale)  # [Hkv, b, G, D]
+            o = decode_attention(qb, kb, vb, bk.mask, scale, self.softcap)  # [Hkv, b, G, D]
             out[bk.start : bk.end] = o.transpose(0, 1).reshape(b, hq, d)
 
     def prefill(
@@ -100,7 +114,7 @@ class ReferenceAttentionBackend(AttentionBackend):
         for pc in meta.prefills:
             n = pc.num_new
             rows = slice(pc.start, pc.start + n)
-            if pc.mask is None:  # no cached context: plain causal attention over the chunk
+            if pc.mask is None and self.softcap is None:  # no cached context: causal attention over the chunk
                 o = F.scaled_dot_product_attention(
                     q[rows].transpose(0, 1).unsqueeze(0),
                     k[rows].transpose(0, 1).unsqueeze(0),
@@ -113,11 +127,23 @@ class ReferenceAttentionBackend(AttentionBackend):
                 continue
             # [n, Hq, D] -> [Hkv, G*n, D]: head h = kv*G + g, query rows grouped per g.
             qp = q[rows].view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-            total = pc.num_context + n
-            kp = gather_blocks(kv_cache[0], pc.block_ids, 1, q.dtype)[:, 0, :total]
-            vp = gather_blocks(kv_cache[1], pc.block_ids, 1, q.dtype)[:, 0, :total]
-            mask = pc.mask.repeat(g, 1)  # same causal pattern for each of the G heads
-            o = F.scaled_dot_product_attention(
-                qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale
-            )
-            out[rows] = o[0].view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+            if pc.mask is None:  # soft-capped, no cached context: the chunk's own K/V
+                kp, vp, causal = k[rows].transpose(0, 1), v[rows].transpose(0, 1), _causal(n, q.device)
+            else:
+                total = pc.num_context + n
+                kp = gather_blocks(kv_cache[0], pc.block_ids, 1, q.dtype)[:, 0, :total]
+                vp = gather_blocks(kv_cache[1], pc.block_ids, 1, q.dtype)[:, 0, :total]
+                causal = pc.mask
+            mask = causal.repeat(g, 1)  # same causal pattern for each of the G heads
+            if self.softcap is not None:
+                o = decode_attention(qp[:, None], kp[:, None], vp[:, None], mask[None], scale, self.softcap)[:, 0]
+            else:
+                o = F.scaled_dot_product_attention(
+                    qp.unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask, scale=scale
+                )[0]
+            out[rows] = o.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
+def _causal(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] bool: each row sees the positions up to its own."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril_()
