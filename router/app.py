@@ -73,7 +73,7 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
         # line per call buried the log; the ingress keeps the access log of client requests.
         logging_config={"enable_access_log": False},
         request_router_config=RequestRouterConfig(
-            request_router_class="router.replica_choice.replica_choice:ReplicaChoice",
+            request_router_class="router.replica_choice.request_router:EngineRequestRouter",
             request_router_kwargs=routing_kwargs(cfg),
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0,

@@ -233,7 +233,7 @@ def render_pools(
         router queue's stats) per pool; every series carries its pool's `model_name`, and each family
         has one HELP/TYPE line. `tier_overflows`: (alias, from pool, to pool, cause) -> requests moved
     on; `tier_decisions`: (alias, pool, reason) -> requests that started at that pool.
-        `routing`: this router replica's `routing_log.stats()` (per engine replica decisions).
+        `routing`: this router replica's `routing_state().log.stats()` (per engine replica decisions).
         `roles` (a disaggregated app): pool role ("prefill", "decode") -> its replicas' stats, for
         the per-pool series and the KV transfer counters."""
     fams: dict[str, object] = {}

@@ -35,7 +35,7 @@ from router.ingress.public_bind import check_public_bind, is_loopback, serve_htt
 from router.ingress.responses_api import ResponsesAPI
 from router.ingress.shared_result import SharedResult
 from router.metrics import render_pools
-from router.replica_choice.registry import known_replicas
+from router.replica_choice.routing_state import routing_state
 from router.tiering.policy import HINT_HEADER
 
 log = logging.getLogger(__name__)
@@ -293,13 +293,13 @@ class Ingress:
 
     async def _replicas(self, pool: PoolClient) -> list[str]:
         name = pool.handle.deployment_name
-        ids = [r for r, _ in known_replicas(self.app_name, name)]
+        ids = [r for r, _ in routing_state().known_replicas(self.app_name, name)]
         if not ids:  # the handle's router starts on first use
             try:
                 await asyncio.wait_for(pool.handle.stats.remote(), self.settings.control_timeout_s)
             except Exception:  # noqa: BLE001
                 pass
-            ids = [r for r, _ in known_replicas(self.app_name, name)]
+            ids = [r for r, _ in routing_state().known_replicas(self.app_name, name)]
         return ids
 
     async def _fan_out(self, pool: PoolClient, method: str) -> list[tuple[str, object]]:
@@ -352,12 +352,11 @@ class Ingress:
         pools = list(self.pools)
         stats = await asyncio.gather(*(self._stats(p) for p in pools))
         page = [(p.name, s, p.client.stats()) for p, s in zip(pools, stats)]
-        from router.replica_choice.routing_log import routing_log
 
         roles = None
         if self.prefill is not None:  # per-pool series of a disaggregated app
             roles = {"decode": stats[0], "prefill": await self._stats(self.prefill)}
-        return render_pools(page, self.pools.overflows, routing_log.stats(), roles, self.pools.decisions)
+        return render_pools(page, self.pools.overflows, routing_state().log.stats(), roles, self.pools.decisions)
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:
@@ -408,15 +407,12 @@ class Ingress:
     def routing_decisions(self) -> dict[str, dict]:
         """Recent replica choices of this router replica, by request id: replica, policy,
         predicted and engine-reported cached prompt tokens (tests, debugging)."""
-        from router.replica_choice.routing_log import routing_log
 
-        return routing_log.recent()
+        return routing_state().log.recent()
 
     def routing_stats(self) -> dict:
         """Per engine replica: requests routed, predicted and engine-reported cached prompt
         tokens; the decisions' CPU time (benchmarks; /metrics has the same); and the cached
         block hashes the KV index knows per replica."""
-        from router.replica_choice.kv_index import kv_index
-        from router.replica_choice.routing_log import routing_log
 
-        return {**routing_log.stats(), "index": kv_index.sizes()}
+        return {**routing_state().log.stats(), "index": routing_state().kv_index.sizes()}

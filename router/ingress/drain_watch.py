@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from router.ingress.periodic import Periodic
-from router.replica_choice import registry
+from router.replica_choice.routing_state import routing_state
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -52,7 +52,7 @@ class DrainWatch(Periodic):
             del self.unlisted_since[r]  # nothing of ours left there
         if not active:
             return
-        listed = {r for r, _ in registry.known_replicas(self.handle.app_name, self.handle.deployment_name)}
+        listed = {r for r, _ in routing_state().known_replicas(self.handle.app_name, self.handle.deployment_name)}
         if not listed:
             return  # the router has no list yet
         for replica in list(active):

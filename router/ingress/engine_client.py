@@ -46,9 +46,7 @@ from router.ingress.kv_subscriber import KVSubscriber
 from router.ingress.lease_renewal import LeaseRenewal
 from router.ingress.output_reader import OutputReader
 from router.messages import AbortRequest, FinishSequences, StepOutputs, SubmitRequest
-from router.replica_choice import placement
-from router.replica_choice.kv_index import kv_index
-from router.replica_choice.routing_log import routing_log
+from router.replica_choice.routing_state import routing_state
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -168,7 +166,7 @@ class EngineClient:
                     # still get through.
                     submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
                     replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
-                    placement.confirmed(request_id, replica)
+                    routing_state().confirmed(request_id, replica)
                     self.channels.attach(replica, request_id)
                     while not done:
                         out = await outputs.get()
@@ -179,7 +177,7 @@ class EngineClient:
                             first = False
                         done = out.finished
                         if done:
-                            routing_log.finished(request_id, out.num_cached_tokens)
+                            routing_state().log.finished(request_id, out.num_cached_tokens)
                         last = out
                         yield out
                 except Exception as e:
@@ -193,7 +191,7 @@ class EngineClient:
             self._cut.discard(request_id)
             self._left.pop(request_id, None)
             if submit is not None:
-                placement.ended(request_id)
+                routing_state().ended(request_id)
             if added and not done:
                 self.outputs.abort_request(request_id)
             if replica is not None:
@@ -228,7 +226,7 @@ class EngineClient:
         if replica is not None:
             self._left.setdefault(rid, set()).add(replica)  # its late outputs are dropped
             self.channels.detach(replica, rid)
-        placement.ended(rid)
+        routing_state().ended(rid)
         resume, params = continuation(last, child_ids, msg.params)
         log.warning(
             "request %s moves off replica %s (%s): move %d, %s tokens so far",
@@ -245,7 +243,7 @@ class EngineClient:
     def _on_batch(self, replica: str, msg: StepOutputs) -> None:
         """One channel message: every output of one engine step for this ingress's requests."""
         if msg.kv_events:  # ahead of the outputs they came with
-            kv_index.apply(replica, msg.kv_events)
+            routing_state().kv_index.apply(replica, msg.kv_events)
         outputs = msg.outputs
         if self._left:  # a request that moved off this replica takes nothing more from it
             outputs = [o for o in outputs if replica not in self._left.get(parent_request_id(o.request_id), ())]

@@ -29,8 +29,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from engine.errors import EngineDeadError, EngineStepError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from router.replica_choice.exclusion import unreachable
-from router.replica_choice.replica_choice import ReplicaGoneError
+from router.replica_choice.request_router import ReplicaGoneError
+from router.replica_choice.routing_state import routing_state
 
 
 class ReplicaLostError(EngineDeadError):
@@ -72,7 +72,7 @@ def note_replica_failure(replica: str | None, exc: BaseException) -> None:
     if isinstance(cause, (ActorDiedError, ReplicaGoneError)) or (
         isinstance(cause, RayActorError) and not isinstance(cause, ActorUnavailableError)
     ):
-        unreachable.add(replica)
+        routing_state().unreachable.add(replica)
 
 
 def unmovable_reason(params: SamplingParams) -> str | None:

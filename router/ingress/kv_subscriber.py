@@ -16,8 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from router.messages import KVEventsUpdate, decode
-from router.replica_choice import registry
-from router.replica_choice.kv_index import kv_index
+from router.replica_choice.routing_state import routing_state
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -45,7 +44,7 @@ class KVSubscriber:
             self._task = loop.create_task(self._watch(), context=contextvars.Context())
 
     def _cache_aware(self) -> bool:
-        r = registry.choice(self.handle.app_name, self.handle.deployment_name)
+        r = routing_state().router(self.handle.app_name, self.handle.deployment_name)
         return r is not None and getattr(r, "policy", None) == "cache-aware"
 
     async def _watch(self) -> None:
@@ -56,19 +55,21 @@ class KVSubscriber:
         while True:
             known = set()
             if self._cache_aware():
-                known = {rid for rid, _ in registry.known_replicas(self.handle.app_name, self.handle.deployment_name)}
+                known = {
+                    rid for rid, _ in routing_state().known_replicas(self.handle.app_name, self.handle.deployment_name)
+                }
             for rid in known - set(self._followers):
                 self._followers[rid] = asyncio.get_running_loop().create_task(
                     self._follow(rid), context=contextvars.Context()
                 )
             for rid in set(self._followers) - known:
                 self._followers.pop(rid).cancel()
-                kv_index.drop(rid)
+                routing_state().kv_index.drop(rid)
             await asyncio.sleep(CHECK_S)
 
     async def _follow(self, replica: str) -> None:
         while True:
-            epoch, seq, needs_snapshot = kv_index.position(replica)
+            epoch, seq, needs_snapshot = routing_state().kv_index.position(replica)
             call = self.handle.kv_events.remote(None if needs_snapshot else epoch, seq, replica_id=replica)
             try:
                 it = call.__aiter__()
@@ -82,7 +83,7 @@ class KVSubscriber:
                 pass
             except Exception as e:  # noqa: BLE001 - dead or stuck replica: forget what it held
                 log.warning("KV event feed of replica %s failed: %s", replica, e)
-                kv_index.drop(replica)
+                routing_state().kv_index.drop(replica)
                 try:
                     call.cancel()
                 except Exception:  # noqa: BLE001 - already over
@@ -93,9 +94,9 @@ class KVSubscriber:
     def _apply(replica: str, payload: bytes) -> None:
         msg = decode(payload, KVEventsUpdate)
         if msg.snapshot is not None:
-            kv_index.reset(replica, msg.snapshot)
+            routing_state().kv_index.reset(replica, msg.snapshot)
         if msg.batches:
-            kv_index.apply(replica, msg.batches)
+            routing_state().kv_index.apply(replica, msg.batches)
 
     def close(self) -> None:
         if self._task is not None:

@@ -29,6 +29,3 @@ class Unreachable:
             for r in [r for r, t in self._until.items() if t <= now]:
                 del self._until[r]
             return frozenset(self._until)
-
-
-unreachable = Unreachable()

@@ -148,6 +148,3 @@ class KVIndex:
         """Hashes known per replica (debugging, tests)."""
         with self._lock:
             return {r: len(rb.hashes) for r, rb in self.replicas.items()}
-
-
-kv_index = KVIndex()

@@ -42,6 +42,3 @@ class LocalLoad:
 
     def get(self, replica: str) -> int | None:
         return self.counts.get(replica)
-
-
-local_load = LocalLoad()

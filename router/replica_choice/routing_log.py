@@ -94,6 +94,3 @@ class RoutingLog:
                 }
                 for rid, d in self.decisions.items()
             }
-
-
-routing_log = RoutingLog()

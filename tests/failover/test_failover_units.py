@@ -19,7 +19,7 @@ from router.ingress.failover import (
     continuation,
     moves_request,
 )
-from router.replica_choice.replica_choice import ReplicaGoneError
+from router.replica_choice.request_router import ReplicaGoneError
 
 
 def test_replica_failures_move_request_errors_do_not():

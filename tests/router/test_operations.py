@@ -162,7 +162,7 @@ def test_call_pinned_to_a_gone_replica_fails_at_once(serve_cluster):
     to it fails with a 503-class error at once instead of waiting for its timeout."""
     from ray import serve
 
-    from router.replica_choice.replica_choice import ReplicaGoneError
+    from router.replica_choice.request_router import ReplicaGoneError
 
     engine = serve.get_deployment_handle("EngineReplica", app_name="main")
     engine.stats.remote().result()  # the handle's router knows the replicas

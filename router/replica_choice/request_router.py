@@ -15,12 +15,12 @@ deployment:
       - cache-aware: the replica holding the longest cached prefix of the prompt, within a
         load guard (`cache_aware.py`), from the exact index of the replicas' KV events
         (`kv_index.py`); a routed request's blocks count as held there at once (pending).
-    The first-ranked replica counts the request at once (`placement.tentative`); the ingress
-    confirms where it runs when `submit` answers (`placement.confirmed`). Every decision is
-    recorded in `routing_log` (predicted cached tokens; `/metrics`).
+    The first-ranked replica counts the request at once (`RoutingState.tentative`); the
+    ingress confirms where it runs when `submit` answers (`RoutingState.confirmed`). Every
+    decision is recorded in the routing log (predicted cached tokens; `/metrics`).
 
-`registry.known_replicas(app, deployment)` lists the replicas a router in this process knows,
-so the ingress can fan out stats and health checks; `local_load` counts its running requests.
+The router registers itself in the process's `routing_state()` (routing_state.py), through
+which the ingress lists the replicas it knows (stats and health fan-out).
 """
 
 from __future__ import annotations
@@ -33,15 +33,10 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 # Module objects, not names from them: Serve may ship this class by value (cloudpickle), and a
-# module reference is pickled by name, so the shipped class shares these with the process.
+# module reference is pickled by name, so the shipped class shares the process's routing state.
 import router.replica_choice.cache_aware as cache_aware
-import router.replica_choice.exclusion as exclusion
-import router.replica_choice.kv_index as kv_index_module
 import router.replica_choice.least_loaded as least_loaded
-import router.replica_choice.local_load as local_load_module
-import router.replica_choice.placement as placement
-import router.replica_choice.registry as registry
-import router.replica_choice.routing_log as routing_log_module
+import router.replica_choice.routing_state as routing_state_module
 from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
 from engine.errors import EngineDeadError
 
@@ -52,7 +47,7 @@ class ReplicaGoneError(EngineDeadError):
     """A call pinned to a replica this router no longer lists (stopped, drained, replaced)."""
 
 
-class ReplicaChoice(FIFOMixin, RequestRouter):
+class EngineRequestRouter(FIFOMixin, RequestRouter):
     """FIFOMixin: Serve's default matching pairs a chosen replica with its request by the
     internal request id, which the calls one HTTP request makes share (the /health fan-out's
     pinned calls then all hung). With FIFO, a replica found goes to the oldest pending call that
@@ -100,12 +95,12 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         self.replicas = list(replicas)
         did = self._deployment_id
-        registry.register(did.app_name, did.name, self)
+        routing_state_module.routing_state().register(did.app_name, did.name, self)
         super().update_replicas(replicas)
 
     def inflight(self, r: RunningReplica) -> int | None:
         calls = self.replica_queue_len_cache.get(r.replica_id)
-        running = local_load_module.local_load.get(r.replica_id.unique_id)
+        running = routing_state_module.routing_state().local_load.get(r.replica_id.unique_id)
         return None if calls is None and running is None else (calls or 0) + (running or 0)
 
     def load(self, r: RunningReplica) -> float:
@@ -132,7 +127,7 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         if msg is not None:
             # Never a replica known dead, nor one this request already left (failover): wait for
             # another rather than send it there.
-            avoid = exclusion.unreachable.current() | set(getattr(msg, "avoid_replicas", ()))
+            avoid = routing_state_module.routing_state().unreachable.current() | set(getattr(msg, "avoid_replicas", ()))
             if avoid:
                 candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
                 if not candidate_replicas:
@@ -146,11 +141,11 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         elif self.policy == "cache-aware" and msg is not None:
             t0 = time.thread_time()  # CPU time: the machine may be busy with engines
             ranked, hashes, predicted = self._cache_aware(candidate_replicas, msg)
-            routing_log_module.routing_log.timed(time.thread_time() - t0)
+            routing_state_module.routing_state().log.timed(time.thread_time() - t0)
         else:
             ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
         if msg is not None:
-            placement.tentative(
+            routing_state_module.routing_state().tentative(
                 msg.request_id, ranked[0].replica_id.unique_id, self.policy, hashes, predicted, self.block_size
             )
         return [[r] for r in ranked]
@@ -164,7 +159,7 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
             if no_hits
             else prompt_hit_hashes(msg.prompt_token_ids, self.block_size, msg.params.cache_salt, root=self.hash_root)
         )
-        index = kv_index_module.kv_index
+        index = routing_state_module.routing_state().kv_index
 
         def cached(r: RunningReplica) -> int:
             rid = r.replica_id.unique_id
