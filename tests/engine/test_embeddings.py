@@ -156,3 +156,30 @@ def test_bad_embedding_requests_are_refused(tiny):
         _assert_pool_whole(llm)
     finally:
         llm.shutdown()
+
+
+def test_the_async_engine_embeds_on_both_of_its_paths(tiny, reference):
+    """`AsyncEngine.embed` (text side) and `generate_tokens` with `pooling` set (the serving
+    path: token ids in, the vector on the finishing `EngineCoreOutput`) give the same vector."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.engine_args import EngineArgs
+
+    eng = AsyncEngine(
+        EngineArgs(str(tiny), dtype="float32", num_blocks=64, block_size=8, max_num_batched_tokens=24, num_threads=1)
+    )
+
+    async def both():
+        whole = await eng.embed({"prompt_token_ids": PROMPTS[3]})
+        outs = [o async for o in eng.generate_tokens("t-1", PROMPTS[3], SamplingParams(max_tokens=1, pooling="last"))]
+        return whole, outs
+
+    try:
+        whole, outs = asyncio.run(both())
+        assert outs[-1].finished and outs[-1].new_token_ids == [] and all(o.embedding is None for o in outs[:-1])
+        assert _diff(whole.embedding, reference[("last", torch.float64)][3]) <= _bound(reference, "last")
+        assert _diff(outs[-1].embedding, reference[("last", torch.float64)][3]) <= _bound(reference, "last")
+        assert eng.stats()["blocks_used"] == 0
+    finally:
+        eng.shutdown()
