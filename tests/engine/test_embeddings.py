@@ -183,3 +183,24 @@ def test_the_async_engine_embeds_on_both_of_its_paths(tiny, reference):
         assert eng.stats()["blocks_used"] == 0
     finally:
         eng.shutdown()
+
+
+def test_the_engine_cli_prints_embeddings(chat_stand_in, capsys):
+    """`python -m engine --embed`: one JSON line per prompt, the vectors `LLM.embed` returns (the
+    chat stand-in: text prompts need the embedded model's vocabulary)."""
+    import json
+
+    from engine.cli import main
+
+    argv = ["--model", chat_stand_in, "--embed", "--pooling-type", "mean", "--dtype", "float32", "--threads", "1"]
+    assert main([*argv, "--prompt", "hello", "--prompt", "world"]) == 0
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.strip().splitlines()[-2:]]
+    assert [ln["prompt"] for ln in lines] == ["hello", "world"]
+    llm = LLM(chat_stand_in, dtype="float32", num_threads=1, pooling_type="mean")
+    try:
+        want = llm.embed(["hello", "world"])
+    finally:
+        llm.shutdown()
+    for ln, w in zip(lines, want):
+        assert ln["num_tokens"] == len(w.prompt_token_ids) and len(ln["embedding"]) == 96
+        assert _diff(ln["embedding"], torch.tensor(w.embedding, dtype=torch.float64)) <= ULP_FLOOR

@@ -156,3 +156,13 @@ def test_the_pool_s_pooling_type_reaches_its_engine_and_its_requests():
     assert AppConfig().engine_args()["pooling_type"] == "last"
     with pytest.raises(ValueError):
         AppConfig(pooling_type="max")
+
+
+def test_the_python_handle_embeds(serve_cluster, offline):
+    from engine.errors import InvalidRequestError
+
+    handle = serve_cluster["handle"]
+    r = handle.embeddings.remote({"input": [TEXT], "encoding_format": "float"}).result()
+    assert r["object"] == "list" and _dist(r["data"][0]["embedding"], offline[TEXT]) < TOLERANCE
+    with pytest.raises(InvalidRequestError, match="input"):
+        handle.embeddings.remote({"input": []}).result()
