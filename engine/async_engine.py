@@ -23,7 +23,7 @@ from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFail
 from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks, KVLayout
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.outputs import EmbeddingOutput, EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.runner.executor import ExecutorFactory, in_process_executor
 from engine.sampling_params import SamplingParams
@@ -108,6 +108,22 @@ class AsyncEngine:
         self._submit(AddText(rid, text, ids, params, reqs))
         async for item in self._drain(rid, stream, children):
             yield item
+
+    async def embed(
+        self, prompt: PromptInput, pooling: str | None = None, request_id: str | None = None, priority: int = 0
+    ) -> EmbeddingOutput:
+        """One prompt's embedding (`LLM.embed`'s, as a prefill-only request in the running
+        batches). The serving path sends the same request through `generate_tokens` with
+        `SamplingParams.pooling` set, and reads `EngineCoreOutput.embedding`."""
+        params = SamplingParams(max_tokens=1, pooling=pooling or self.engine.args.pooling_type)
+        async for out in self.generate(prompt, params, request_id, priority):
+            if out.finished:
+                if out.embedding is None:
+                    raise (InvalidRequestError if out.error_kind == "invalid" else EngineStepError)(
+                        out.error or "no embedding"
+                    )
+                return EmbeddingOutput(out.request_id, out.prompt_token_ids, out.embedding, out.num_cached_tokens)
+        raise EngineDeadError("the engine ended the request without its embedding")
 
     async def generate_tokens(
         self,

@@ -44,6 +44,13 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         choices=list(choices.KV_CACHE_DTYPES),
         help="KV cache storage",
     )
+    p.add_argument("--embed", action="store_true", help="print each prompt's embedding instead of generating")
+    p.add_argument(
+        "--pooling-type",
+        default=EngineArgs.pooling_type,
+        choices=list(choices.POOLING_TYPES),
+        help="--embed: the last prompt token's final hidden state, or the mean over the prompt",
+    )
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=EngineArgs.tensor_parallel_size)
     p.add_argument("--device", default=EngineArgs.device, help="cpu or cuda")
     p.add_argument(
@@ -122,7 +129,12 @@ def main(
             enable_prefix_caching=not args.no_prefix_caching,
             num_threads=args.threads,
             enforce_eager=args.enforce_eager,
+            pooling_type=args.pooling_type,
         )
+        if args.embed:
+            for prompt, e in zip(prompts, llm.embed(prompts)):
+                print(json.dumps({"prompt": prompt, "num_tokens": len(e.prompt_token_ids), "embedding": e.embedding}))
+            return 0
         if args.chat:
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:

@@ -51,6 +51,9 @@ class EngineArgs:
     # Disaggregated serving (engine/kv_transfer/config.py): {"role": "prefill" | "decode",
     # "local_prefill_max_tokens": n}; None: colocated (this engine prefills and decodes).
     kv_transfer_config: dict | None = None
+    # Embedding requests (`LLM.embed`, /v1/embeddings): how the final-norm hidden states of the
+    # prompt become one vector, L2-normalised: "last" (the last prompt token's) or "mean".
+    pooling_type: str = "last"
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

@@ -1,4 +1,5 @@
-"""The offline API: `LLM().generate(prompts, params)` and `LLM().chat(messages, params)`."""
+"""The offline API: `LLM().generate(prompts, params)`, `LLM().chat(messages, params)` and
+`LLM().embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 from tqdm.auto import tqdm
 
 from engine.engine_args import EngineArgs
+from engine.errors import InvalidRequestError, OrbitalError
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, RequestOutput
 from engine.runner.executor import ExecutorFactory, in_process_executor
 from engine.sampling_params import SamplingParams
 from engine.text.input_processor import PromptInput
@@ -68,6 +70,21 @@ class LLM:
             text, tok_ids = self.engine.inputs.tokenize_chat(conv, **template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tok_ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(
+        self, prompts: PromptInput | Sequence[PromptInput], pooling: str | None = None, use_tqdm: bool = False
+    ) -> list[EmbeddingOutput]:
+        """One L2-normalised vector per prompt: the final-norm hidden states of its tokens pooled
+        by `pooling` ("last" or "mean"; default: the engine's `pooling_type`). Each prompt runs as
+        a prefill-only request in the same batches as generation (engine/runner/pooling.py)."""
+        params = SamplingParams(max_tokens=1, pooling=pooling or self.engine.args.pooling_type)
+        outs = self.generate(prompts, params, use_tqdm)
+        failed = next((o for o in outs if o.embedding is None), None)
+        if failed is not None:  # too big for the KV pool, or its step failed
+            raise (InvalidRequestError if failed.error_kind == "invalid" else OrbitalError)(
+                failed.error or "no embedding"
+            )
+        return [EmbeddingOutput(o.request_id, o.prompt_token_ids, o.embedding, o.num_cached_tokens) for o in outs]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending, done = set(ids), {}

@@ -10,6 +10,7 @@ import itertools
 
 import torch
 
+from engine.choices import POOLING_TYPES
 from engine.config import CacheConfig, ParallelConfig, SchedulerConfig
 from engine.core.engine_core import EngineCore, StepInFlight
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
@@ -34,6 +35,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, executor_factory: ExecutorFactory = in_process_executor) -> None:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
+        if args.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {args.pooling_type!r}"
+            )
         self.args = args
         self.model_config: ModelConfig = build_model_config(
             args.model,

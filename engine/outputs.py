@@ -38,6 +38,9 @@ class EngineCoreOutput:
     queue_time: float | None = None  # seconds from arrival to first schedule; on the first tokens only
     # Prefill side of disaggregated serving: the finished request's KV, read out (kv_transfer.KVBlocks).
     kv_blocks: object | None = None
+    # An embedding request (SamplingParams.pooling): its pooled, L2-normalised float32 vector, on
+    # the output that finishes it.
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,3 +77,14 @@ class RequestOutput:
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
     error_kind: str = "invalid"  # see EngineCoreOutput.error_kind
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (monotonic)
+    embedding: list[float] | None = None  # an embedding request's vector, once finished
+
+
+@dataclass
+class EmbeddingOutput:
+    """What `LLM.embed` returns per prompt: the pooled, L2-normalised final hidden states."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+    num_cached_tokens: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.choices import POOLING_TYPES
 from engine.errors import InvalidRequestError
 from engine.structured.spec import StructuredOutput
 from engine.watermark import Watermark
@@ -55,6 +56,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # Green-list watermark (engine/watermark.py): the deployment's key, gamma and delta.
     watermark: Watermark | None = None
+    # Set: an embedding request (engine/runner/pooling.py), "last" or "mean" pooling of the prompt's
+    # final-norm hidden states. It runs the prompt only, samples nothing and finishes at its end
+    # with `EngineCoreOutput.embedding`.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -132,11 +137,22 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= 256
         ):
             raise bad("cache_salt", "must be a string of 1 to 256 characters")
+        if self.pooling is not None:
+            if self.pooling not in POOLING_TYPES:
+                raise bad("pooling", f"must be one of {', '.join(POOLING_TYPES)}, got {self.pooling!r}")
+            if self.n != 1 or self.prompt_logprobs is not None or self.structured_output is not None:
+                raise bad("pooling", "an embedding request takes no n, prompt_logprobs or structured output")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output", "must be a StructuredOutput")
             if self.min_tokens:  # it would block the end token where the grammar allows only that
                 raise bad("min_tokens", "cannot be combined with structured outputs")
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs and mean pooling read every prompt position's hidden state: such a
+        request takes no prefix-cache hits (and no remote prefill)."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def greedy(self) -> bool:

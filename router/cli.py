@@ -208,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's <think> blocks: chat completions return them as reasoning_content, apart from content",
     )
     s.add_argument(
+        "--pooling-type",
+        default=_d("pooling_type"),
+        choices=list(choices.POOLING_TYPES),
+        help="/v1/embeddings: the last input token's final hidden state, or the mean over the input",
+    )
+    s.add_argument(
         "--max-migrations",
         type=int,
         default=_d("max_migrations"),
@@ -299,6 +305,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         request_timeout_s=a.request_timeout_s,
         tool_call_parser=a.tool_call_parser,
         reasoning_parser=a.reasoning_parser,
+        pooling_type=a.pooling_type,
         max_migrations=a.max_migrations,
         drain_timeout_s=a.drain_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,

@@ -48,6 +48,7 @@ class ModelPool(BaseModel):
     max_queued_requests: int | None = Field(None, description="This pool's queue bound in each router replica.")
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    pooling_type: str | None = None
 
     def overrides(self) -> dict:
         """The AppConfig fields this pool sets (its served name included)."""
@@ -195,6 +196,11 @@ class AppConfig(BaseModel):
         "block from `content` to `reasoning_content` (deepseek_r1: DeepSeek-R1, QwQ, the block opened by the "
         "prompt or the output; qwen3: Qwen3, none with chat_template_kwargs enable_thinking false). Structured "
         "outputs and held tool calls are then a 400. None: outputs as generated.",
+    )
+    pooling_type: Literal[choices.POOLING_TYPES] = Field(
+        _E.pooling_type,
+        description="/v1/embeddings: the vector is the model's final-norm hidden state of the last input token "
+        "(last) or the mean over every input token (mean; takes no prefix-cache hits), L2-normalised.",
     )
     nonstream_batch_interval_s: float = Field(
         0.5,
@@ -456,4 +462,5 @@ class AppConfig(BaseModel):
             "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
             "spare_core_max_tokens": self.spare_core_max_tokens,
+            "pooling_type": self.pooling_type,
         }

@@ -56,8 +56,8 @@ class KVCacheManager:
 
         Never covers the last token: it must be recomputed to produce logits.
         """
-        if not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need every prompt position computed, so no hits.
+        if not self.can_share(request) or request.sampling_params.needs_every_prompt_position:
+            # Prompt logprobs and mean pooling need every prompt position computed, so no hits.
             return [], 0
         hashes = update_block_hashes(request, self.block_size, self.hash_root)
         max_blocks = max_hit_blocks(request.num_tokens, self.block_size)
@@ -74,7 +74,7 @@ class KVCacheManager:
     def find_tail(self, request: Request, num_hit_blocks: int) -> TailHit | None:
         """After `num_hit_blocks` full-block hits: a cached block whose leading tokens continue
         the request's (tail_hits.py), never covering its last token."""
-        if not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
+        if not self.can_share(request) or request.sampling_params.needs_every_prompt_position:
             return None
         start = num_hit_blocks * self.block_size
         limit = min(request.num_tokens - 1 - start, self.block_size)

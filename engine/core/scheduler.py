@@ -232,7 +232,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            draft = drafts.get(req.request_id)
+            draft = drafts.get(req.request_id) if req.sampling_params.pooling is None else None
             if draft and req.grammar is not None:  # only drafts its grammar allows
                 draft = draft[: req.grammar.valid_prefix(draft)]
             if draft:
@@ -426,6 +426,10 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished, aborted or preempted since it was scheduled
+            embedding = mro.embeddings.get(rid)
+            if embedding is not None:  # an embedding request's prompt ended: it is done
+                outputs.append(self._finish_embedding(req, embedding))
+                continue
             i = index.get(rid)
             sampled = mro.sampled_token_ids[i] if i is not None else []
             logprobs = mro.logprobs[i] if i is not None and i < len(mro.logprobs) else None
@@ -464,6 +468,21 @@ class Scheduler:
                     )
                 )
         return outputs
+
+    def _finish_embedding(self, req: Request, embedding: list[float]) -> EngineCoreOutput:
+        """An embedding request ends at its prompt's end with no token; its blocks go back to the
+        pool (the full ones stay in the prefix cache, as any request's do)."""
+        req.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(req)
+        self._free_request(req)
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            finish_reason="stop",
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            queue_time=req.first_scheduled_time - req.arrival_time,
+            embedding=embedding,
+        )
 
     def _collect_prompt_logprobs(self, req: Request, chunk) -> list[TokenLogprob | None] | None:
         if req.sampling_params.prompt_logprobs is None:

@@ -70,3 +70,5 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     # Prompt logprobs computed this step, per request id, positions in order (chunk by chunk).
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
+    # Embedding requests whose prompt ended this step: request id -> pooled, normalised vector.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)

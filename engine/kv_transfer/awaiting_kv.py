@@ -51,13 +51,13 @@ class RemotePrefill:
 
     def remote_tokens(self, req: Request, num_hit: int) -> int:
         """How many leading prompt tokens to fetch (0: prefill here). Only a fresh request:
-        not one resumed from another replica, preempted, or wanting prompt logprobs. (One
+        not one resumed from another replica, preempted, or reading every prompt position. (One
         whose remote prefill already ended holds its blocks; the scheduler does not ask.)"""
         if (
             self.config.role != "decode"
             or req.num_output_tokens
             or req.num_preemptions
-            or req.sampling_params.prompt_logprobs is not None
+            or req.sampling_params.needs_every_prompt_position
         ):
             return 0
         need = req.num_prompt_tokens - 1  # the last prompt token is computed here

@@ -26,6 +26,7 @@ from engine.runner.attn_metadata_builder import StepBatch, build_step_batch
 from engine.runner.cpu_malloc import keep_step_memory
 from engine.runner.forward_context import forward_context
 from engine.runner.kv_memory import allocate_kv_caches
+from engine.runner.pooling import pool_step
 from engine.runner.runner_state import RunnerRequestState, RunnerStates
 from engine.runner.sampling_metadata import SamplingMetadata
 from engine.spec_decode.verify import accept_drafts
@@ -272,12 +273,15 @@ class ModelRunner:
             with forward_context(batch.meta):
                 hidden = self.model(batch.input_ids, batch.positions)
         by_id = {r: self.states[r] for r in batch.request_ids}
-        # Rows that produce a token: the last scheduled token reaches the end of the sequence.
+        # Rows that produce a token: the last scheduled token reaches the end of the sequence
+        # (embedding requests sample nothing: pooling.py makes their vectors, on rank 0).
         sample_idx = [
             k
             for k, r in enumerate(batch.request_ids)
             if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens
+            and by_id[r].sampling_params.pooling is None
         ]
+        pooled = pool_step(hidden, batch, by_id) if self.tp.rank == 0 else {}
         prompt_lp = self._prompt_logprob_rows(batch, by_id)
         # A request with drafts is scored at its last token and at every draft (1 + k rows).
         rows = [
@@ -298,7 +302,7 @@ class ModelRunner:
             return _none
         sts = [by_id[batch.request_ids[k]] for k in sample_idx]
         res = self._sample_positions(sts, logits[:num_sample_rows], so.grammar_bitmasks) if num_sample_rows else None
-        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp)
+        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp, pooled)
 
     def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmasks: dict):
         """One sampler row per scored position: a request's position j (after j drafts) sees
@@ -350,10 +354,12 @@ class ModelRunner:
         return got
 
     def _sampled_output(
-        self, batch, sts: list[RunnerRequestState], res: SamplerOutput | None, prompt_lp
+        self, batch, sts: list[RunnerRequestState], res: SamplerOutput | None, prompt_lp, pooled: dict
     ) -> ModelRunnerOutput:
-        """The step's output once its sampled ids are on the host (the one wait of a step)."""
+        """The step's output once its sampled ids (and embeddings) are on the host (the one
+        wait of a step)."""
         out = ModelRunnerOutput()
+        out.embeddings = {r: v.tolist() for r, v in pooled.items()}
         if res is not None:
             tokens = res.sampled_token_ids.tolist()
             row = 0

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.scheduler_output import SchedulerOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -17,6 +21,7 @@ class RunnerRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts, after the last token
+    pooled_sum: torch.Tensor | None = None  # mean pooling: the float32 sum of the hidden rows so far (pooling.py)
 
     @property
     def num_tokens(self) -> int:

@@ -163,6 +163,13 @@ class InputProcessor:
             if bad:
                 raise InvalidRequestError(f"{name} token {bad[0]} is outside the vocabulary [0, {v})", param=name)
         p, limit = len(prompt_ids), self.mc.max_model_len
+        if params.pooling is not None:  # an embedding: the prompt alone, up to the whole context
+            if p > limit:
+                raise PromptTooLongError(
+                    f"This model's maximum context length is {limit} tokens; the input has {p} tokens.",
+                    param="prompt",
+                )
+            return 1
         if p >= limit:
             raise PromptTooLongError(
                 f"This model's maximum context length is {limit} tokens; the prompt has {p} tokens "

@@ -53,6 +53,7 @@ class _RequestState:
     error: str | None = None
     error_kind: str = "invalid"
     metrics: dict = field(default_factory=dict)
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -151,6 +152,8 @@ class OutputProcessor:
             state.prompt_logprobs = [self._decorate(lp) for lp in out.prompt_logprobs]
         if out.error is not None:
             state.error, state.error_kind = out.error, out.error_kind
+        if out.embedding is not None:
+            state.embedding = out.embedding
 
         ids, lps = list(out.new_token_ids), out.new_logprobs or []
         if len(ids) > 1 and child.stop_checker:
@@ -235,6 +238,7 @@ class OutputProcessor:
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
             metrics=dict(state.metrics),
+            embedding=state.embedding,
         )
         if state.error is not None:
             out.error, out.error_kind = state.error, state.error_kind

@@ -1,14 +1,14 @@
 """The ingress: a FastAPI Serve deployment. Tokenizes, applies the chat template, picks an engine
 replica (through the engine handle's RequestRouter), detokenizes incrementally and streams.
 
-HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/responses, /v1/models), TGI (/, /generate,
-/generate_stream, /info), operations (/health, /metrics).
+HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
+/v1/models), TGI (/, /generate, /generate_stream, /info), operations (/health, /metrics).
 Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or alias tier) their
 `model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
 /metrics cover every pool.
 Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
-`create_response` (the Responses API), `generate` (TGI), `models`, `health`, `metrics`.
+`create_response` (the Responses API), `embeddings`, `generate` (TGI), `models`, `health`, `metrics`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
@@ -218,6 +218,11 @@ class Ingress:
         """A text's watermark z-score and p-value under this deployment's key."""
         return await self._respond(request, self.pools.detect_watermark)
 
+    @app.post("/v1/embeddings")
+    async def http_embeddings(self, request: Request) -> Response:
+        """OpenAI's: each input's pooled, normalised final hidden state (router/ingress/embeddings_api.py)."""
+        return await self._respond(request, self.pools.embeddings)
+
     @app.post("/tokenize")
     async def http_tokenize(self, request: Request) -> Response:
         """vLLM's: a prompt or chat messages -> the token ids the engine would get, and their count."""
@@ -384,6 +389,9 @@ class Ingress:
 
     async def create_response(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
         return await self._call(self.responses.create(body, tier_hint))
+
+    async def embeddings(self, body: dict) -> dict:
+        return await self._call(self.pools.embeddings(body))
 
     async def tokenize(self, body: dict) -> dict:
         return await self._call(self.pools.tokenize(body))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Itera
 from ray.exceptions import RayTaskError
 
 from router.backpressure import IngressQueue, OverloadedError
+from router.ingress.embeddings_api import EmbeddingServing
 from router.ingress.engine_client import EngineClient
 from router.ingress.errors import APIError
 from router.ingress.failover import moves_request
@@ -51,6 +52,7 @@ class PoolClient:
     client: EngineClient
     openai: OpenAIServing
     tgi: TGIServing
+    embeddings: EmbeddingServing
     max_model_len: int
     expected_replicas: int  # what /health wants up (num_replicas; min_replicas when autoscaled)
 
@@ -138,6 +140,7 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
             cfg.reasoning_parser,
         ),
         tgi=TGIServing(client, cfg.model_name, info, watermark),
+        embeddings=EmbeddingServing(client, cfg.model_name, cfg.pooling_type, mc.hf_config.hidden_size),
         max_model_len=mc.max_model_len,
         expected_replicas=cfg.num_replicas,
     )
@@ -277,6 +280,13 @@ class ModelPools:
 
     async def detokenize(self, body: dict) -> dict:
         return await detokenize(self._pool_of(body).client, body)
+
+    async def embeddings(self, body: dict) -> dict:
+        """/v1/embeddings on the pool `model` names (an alias: its tier's first pool, and only that
+        one: vectors of different models are not comparable, so a request never moves on)."""
+        model = body.get("model") if isinstance(body.get("model"), str) and body.get("model") else None
+        pool = self._pool_of(body)
+        return await pool.embeddings.create(body, model or pool.name)
 
     async def completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
         return await self._openai(body, lambda pool, name: pool.openai.completions(body, name), tier_hint)

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from router.ingress.embeddings_api import EmbeddingRequest
 from router.ingress.errors import is_tgi_path
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, WatermarkDetectRequest
 from router.ingress.response_models import SSE, SUCCESS, Health
@@ -27,6 +28,7 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/chat/completions", "post"): ChatCompletionRequest,
     ("/v1/responses", "post"): ResponsesRequest,
     ("/v1/watermark/detect", "post"): WatermarkDetectRequest,
+    ("/v1/embeddings", "post"): EmbeddingRequest,
     ("/tokenize", "post"): TokenizeRequest,
     ("/detokenize", "post"): DetokenizeRequest,
     ("/generate", "post"): GenerateRequest,

@@ -184,6 +184,26 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(
+        ..., description="Numbers, or with encoding_format base64 their float32 bytes."
+    )
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 # --- operations -------------------------------------------------------------------------------
 
 
@@ -217,6 +237,7 @@ SUCCESS: dict[tuple[str, str], dict[str, type[BaseModel]]] = {
     ("/info", "get"): {JSON: Info},
     ("/health", "get"): {JSON: Health},
     ("/v1/watermark/detect", "post"): {JSON: WatermarkDetection},
+    ("/v1/embeddings", "post"): {JSON: EmbeddingResponse},
     ("/tokenize", "post"): {JSON: TokenizeResponse},
     ("/detokenize", "post"): {JSON: DetokenizeResponse},
 }

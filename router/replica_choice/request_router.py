@@ -153,7 +153,7 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
     def _cache_aware(
         self, candidates: list[RunningReplica], msg: Any
     ) -> tuple[list[RunningReplica], list[int], dict[str, int]]:
-        no_hits = msg.params.prompt_logprobs is not None  # the engine looks nothing up then
+        no_hits = msg.params.needs_every_prompt_position  # the engine looks nothing up then
         hashes = (
             []
             if no_hits

@@ -226,3 +226,20 @@ def test_speculative_decoding_on_the_decode_pool(colocated, prefill):
         _assert_pools_whole(decode, prefill)
     finally:
         decode.shutdown()
+
+
+def test_embeddings_on_the_decode_pool(colocated, prefill, decode):
+    """`last` pooling uses the remote prefill like generation (the last token, whose hidden state
+    is pooled, is computed here); `mean` needs every position's hidden state, so it prefills
+    locally. Both equal the colocated engine's vectors: float32 paths that differ in sum order
+    only, held to the L2 bound tests/router/test_embeddings_http.py derives for this model."""
+    for pooling, remote in (("last", True), ("mean", False)):
+        text = f"A {pooling} pooled embedding maps a text to one vector of numbers. " * 6  # not cached yet
+        ref = colocated.embed([text], pooling=pooling)[0].embedding
+        params = SamplingParams(max_tokens=1, pooling=pooling)
+        [got], moved = _run_pd(decode, prefill, [text], [params])
+        assert bool(moved) == remote, pooling
+        assert got.outputs[0].token_ids == [] and got.outputs[0].finish_reason == "stop"
+        dist = torch.linalg.vector_norm(torch.tensor(got.embedding) - torch.tensor(ref)).item()
+        assert dist < 1e-3, (pooling, dist)
+    _assert_pools_whole(decode, prefill)

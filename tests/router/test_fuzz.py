@@ -96,6 +96,7 @@ def test_hostile_bodies_never_5xx(fuzz_url, bystander):
                 ("/v1/completions", body),
                 ("/v1/chat/completions", {**rest, "messages": [{"role": "user", "content": body.get("prompt")}]}),
                 ("/v1/responses", {**rest, "input": body.get("prompt")}),
+                ("/v1/embeddings", {**rest, "input": body.get("prompt")}),
             ):
                 r = c.post(f"{fuzz_url}{path}", json=sent)
                 assert r.status_code < 500, (path, str(sent)[:200], r.status_code, r.text[:300])
@@ -104,6 +105,7 @@ def test_hostile_bodies_never_5xx(fuzz_url, bystander):
                 "/v1/completions",
                 "/v1/chat/completions",
                 "/v1/responses",
+                "/v1/embeddings",
                 "/generate",
                 "/generate_stream",
                 "/",

@@ -74,6 +74,7 @@ RF = "tests/router/test_request_fields.py"
 OA = "tests/router/test_openai_api.py"
 TK = "tests/router/test_tokenize.py"
 RS = "tests/router/test_responses_api.py"
+EM = "tests/router/test_embeddings_http.py"
 # Fields whose effect is outside SamplingParams, or that are refused: the test that shows it.
 SHOWN_BY = {
     "CompletionRequest": {
@@ -164,6 +165,13 @@ SHOWN_BY = {
     "DetokenizeRequest": {
         "model": f"{TK}::test_the_model_field_picks_the_pool",
         "tokens": f"{TK}::test_counts_equal_what_the_completion_routes_bill",
+    },
+    "EmbeddingRequest": {
+        "model": f"{EM}::test_the_model_field_picks_the_pool",
+        "input": f"{EM}::test_float_and_base64_lists_and_token_ids",
+        "encoding_format": f"{EM}::test_float_and_base64_lists_and_token_ids",
+        "dimensions": f"{EM}::test_bad_input_is_a_400_naming_the_field",
+        "user": f"{EM}::test_user_is_logged_with_the_request_id",
     },
     "GenerateRequest": {
         "inputs": "tests/router/test_tgi_api.py::test_text_generation",
