@@ -51,6 +51,14 @@ class EngineArgs:
     # Disaggregated serving (engine/kv_transfer/config.py): {"role": "prefill" | "decode",
     # "local_prefill_max_tokens": n}; None: colocated (this engine prefills and decodes).
     kv_transfer_config: dict | None = None
+    # Multi-LoRA serving (engine/lora/), vLLM's names: adapters in one batch, their largest rank,
+    # adapters held in host memory (None: max_loras), and adapters known at start ("name=path"
+    # strings or a dict name -> path).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[str, ...] | dict | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

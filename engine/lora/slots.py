@@ -1,0 +1,114 @@
+"""The scheduler's side of LoRA: which adapter sits in which of the `max_loras` slots, which
+adapters the workers hold in host memory (an LRU of `max_cpu_loras`), and which slots running
+requests pin. The model runner follows the loads and evictions each step carries
+(model_lora.py).
+
+A request pins its adapter's slot from the step it is first scheduled until it finishes or is
+preempted, so an adapter in use is never evicted from its slot or from host memory. A waiting
+request whose adapter can get no slot (every slot pinned by other adapters) is passed over this
+step; the pins are released as running requests end, so it is never starved for good.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.lora.batch import NO_SLOT
+from engine.lora.config import LoRAConfig
+from engine.lora.request import LoRARequest
+
+
+class AdapterSlots:
+    def __init__(self, config: LoRAConfig) -> None:
+        self.config = config
+        self.slots: list[str | None] = [None] * config.max_loras  # adapter name in each slot
+        self.slot_of: dict[str, int] = {}
+        self.host: OrderedDict[str, LoRARequest] = OrderedDict()  # held by the workers, LRU first
+        self.holders: dict[str, str] = {}  # request id -> adapter name it pins
+        self.pins: dict[str, int] = {}  # adapter name -> requests pinning it
+        self.loads: dict[int, LoRARequest | None] = {}  # slot -> adapter, since the last step
+        self.evictions: list[str] = []  # adapters dropped from host memory since the last step
+        self.num_loads = 0  # adapters read from disk into host memory
+        self.num_evictions = 0  # adapters dropped from host memory
+
+    def slot(self, request_id: str) -> int:
+        name = self.holders.get(request_id)
+        return NO_SLOT if name is None else self.slot_of[name]
+
+    def acquire(self, request_id: str, lora: LoRARequest) -> int | None:
+        """The slot of `lora` for this request, pinned until `release`; None when every slot is
+        pinned by other adapters (nothing changes then)."""
+        name = lora.lora_name
+        if request_id in self.holders:
+            return self.slot_of[self.holders[request_id]]
+        slot = self.slot_of.get(name)
+        if slot is None:
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            old = self.slots[slot]
+            if old is not None:  # leaves its slot, stays in host memory
+                del self.slot_of[old]
+                self.slots[slot] = None
+            self._hold_in_host(lora)
+            self.slots[slot], self.slot_of[name] = name, slot
+            self.loads[slot] = lora
+        self.host.move_to_end(name)
+        self.holders[request_id] = name
+        self.pins[name] = self.pins.get(name, 0) + 1
+        return slot
+
+    def release(self, request_id: str) -> None:
+        name = self.holders.pop(request_id, None)
+        if name is not None:
+            self.pins[name] -= 1
+            if not self.pins[name]:
+                del self.pins[name]
+
+    def _free_slot(self) -> int | None:
+        """An empty slot, else the slot of the least recently used unpinned adapter."""
+        if None in self.slots:
+            return self.slots.index(None)
+        for name in self.host:  # least recently used first
+            if name in self.slot_of and name not in self.pins:
+                return self.slot_of[name]
+        return None
+
+    def _hold_in_host(self, lora: LoRARequest) -> None:
+        """With one slot free for it: the least recently used adapters outside the slots leave
+        host memory until it fits (max_cpu_loras >= max_loras, so there is one)."""
+        if lora.lora_name in self.host:
+            return
+        while len(self.host) >= self.config.max_cpu_loras:
+            self._drop(next(n for n in self.host if n not in self.slot_of))
+        self.host[lora.lora_name] = lora
+        self.num_loads += 1
+
+    def _drop(self, name: str) -> None:
+        del self.host[name]
+        self.evictions.append(name)
+        self.num_evictions += 1
+        slot = self.slot_of.pop(name, None)
+        if slot is not None:
+            self.slots[slot] = None
+            self.loads[slot] = None
+
+    def in_use(self, name: str) -> bool:
+        return name in self.pins
+
+    def forget(self, name: str) -> None:
+        """An adapter unloaded from the engine (not in use): out of its slot and host memory."""
+        assert name not in self.pins, name
+        if name in self.host:
+            self._drop(name)
+
+    def take_changes(self) -> tuple[dict[int, LoRARequest | None], list[str]]:
+        """The slot loads (None: cleared) and host evictions for the next step, in order:
+        evictions first, then loads."""
+        loads, evictions = self.loads, self.evictions
+        self.loads, self.evictions = {}, []
+        return loads, evictions
+
+    def loaded(self) -> list[str]:
+        """Adapters held in host memory, least recently used first."""
+        return list(self.host)
