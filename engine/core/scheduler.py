@@ -401,6 +401,8 @@ class Scheduler:
                 self._preempt(req, count=False)
                 self._fault_preempted.add(rid)
         self.faults.quarantined.update(suspects)
+        if self.lora is not None:
+            self.lora.unplace(so.lora_loads)
         log.warning(
             "engine step failed (%s: %s); %s",
             type(error).__name__,

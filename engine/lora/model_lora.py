@@ -60,9 +60,9 @@ class ModelLoRA:
             self.load(slot, lora)
 
     def load(self, slot: int, lora: LoRARequest | None) -> None:
+        for s in self.slots.values():  # emptied first: an adapter that fails to read leaves no stale one
+            s.clear_slot(slot)
         if lora is None:
-            for s in self.slots.values():
-                s.clear_slot(slot)
             return
         weights = self.host.get(lora.lora_name)
         if weights is None:

@@ -102,6 +102,14 @@ class AdapterSlots:
         if name in self.host:
             self._drop(name)
 
+    def unplace(self, loads: dict[int, LoRARequest | None]) -> None:
+        """A step carrying these loads failed (a worker could not read an adapter): adapters no
+        running request pins leave their slots and host memory, so the next use loads them
+        afresh rather than trusting a slot whose copy may never have happened."""
+        for lora in loads.values():
+            if lora is not None and lora.lora_name not in self.pins and lora.lora_name in self.host:
+                self._drop(lora.lora_name)
+
     def take_changes(self) -> tuple[dict[int, LoRARequest | None], list[str]]:
         """The slot loads (None: cleared) and host evictions for the next step, in order:
         evictions first, then loads."""

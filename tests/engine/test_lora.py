@@ -171,3 +171,29 @@ def test_bad_adapters_are_refused(lora_setup, tmp_path):
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         LLM(str(base_dir), dtype="float32", num_blocks=8, lora_modules=[f"qv={paths['qv']}"])
     assert torch.get_num_threads() >= 1
+
+
+def test_an_adapter_that_cannot_be_read_fails_its_request_only(lora_setup, tmp_path):
+    """Its directory emptied after it was added: the step that would load it fails, the request
+    that brought it fails alone, and the slot is loaded afresh for the next user."""
+    base_dir, paths, expected = lora_setup
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    for f in ("adapter_model.safetensors", "adapter_config.json"):
+        (gone / f).write_bytes((paths["qv"] / f).read_bytes())
+    llm = _llm(base_dir, max_loras=1)
+    llm.add_lora(LoRARequest("gone", 9, str(gone)))
+    (gone / "adapter_model.safetensors").unlink()
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}] * 2,
+        _params(),
+        use_tqdm=False,
+        lora_request=[LoRARequest("gone", 9, str(gone)), None],
+    )
+    assert outs[0].outputs[0].finish_reason == "error"
+    _check(outs[1], expected[None][0])
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], _params(), use_tqdm=False, lora_request="gone")
+    assert out.outputs[0].finish_reason == "error"
+    qv = LoRARequest("qv", 1, str(paths["qv"]))
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], _params(), use_tqdm=False, lora_request=qv)
+    _check(out, expected["qv"][0])
