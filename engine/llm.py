@@ -39,10 +39,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """`lora_request` (with enable_lora): one adapter for every prompt or one per prompt
-        (None: the base model), as vLLM takes it."""
+        (None: the base model), as vLLM takes it; a known adapter may be named instead."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

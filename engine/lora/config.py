@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequestError
@@ -65,3 +67,22 @@ def parse_lora_modules(value: object) -> dict[str, str]:
             raise InvalidRequestError(f"lora_modules names {name!r} twice")
         out[name] = str(path)
     return out
+
+
+def add_lora_flags(parser: argparse.ArgumentParser, default: Callable[[str], object]) -> None:
+    """The LoRA flags with vLLM's names, for both CLIs; `default(field)`: the caller's one source
+    of defaults (EngineArgs or AppConfig, which takes EngineArgs')."""
+    parser.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters of the model")
+    parser.add_argument("--max-loras", type=int, default=default("max_loras"), help="LoRA adapters in one batch")
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=default("max_lora_rank"), help="the largest LoRA rank the slots hold"
+    )
+    parser.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=default("max_cpu_loras"),
+        help="LoRA adapters kept in host memory, LRU (default: --max-loras)",
+    )
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH", help="LoRA adapters served from the start"
+    )
