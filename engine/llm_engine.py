@@ -151,11 +151,15 @@ class LLMEngine:
 
     # --- LoRA adapters (engine/lora/) -------------------------------------------------------
 
-    def resolve_lora(self, lora_request: LoRARequest | str | None) -> LoRARequest | None:
+    def resolve_lora(self, lora_request: LoRARequest | str | None, register: bool = True) -> LoRARequest | None:
+        """A request's adapter: a name must be known here; a LoRARequest is checked against the
+        model and, with `register`, known by its name from then on."""
         if lora_request is None:
             return None
         if self.loras is None:
             raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is off)", param="lora_request")
+        if not register and isinstance(lora_request, LoRARequest):
+            return self.loras.check(lora_request)
         return self.loras.resolve(lora_request)
 
     def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
@@ -176,16 +180,13 @@ class LLMEngine:
             raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is off)")
         if lora_name not in self.loras.adapters:
             self.loras.remove(lora_name)  # raises AdapterNotFoundError
-        users = [
-            r.request_id
-            for r in self.core.scheduler.requests.values()
-            if r.lora_request is not None and r.lora_request.lora_name == lora_name
-        ]
+        lora = self.loras.adapters[lora_name]
+        users = [r.request_id for r in self.core.scheduler.requests.values() if r.lora_request == lora]
         if users:
             raise InvalidRequestError(
                 f"the LoRA adapter {lora_name!r} is in use by {len(users)} request(s); unload it when they end"
             )
-        self.core.scheduler.lora.forget(lora_name)
+        self.core.scheduler.lora.forget(lora)
         self.loras.remove(lora_name)
 
     def list_loras(self) -> list[LoRARequest]:

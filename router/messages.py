@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.kv_transfer.blocks import KVLayout
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class SubmitRequest:
     resume: dict[str, list[int]] | None = None
     # Replicas the replica choice must not pick (the ones this request already left).
     avoid_replicas: tuple[str, ...] = ()
+    # The LoRA adapter it runs with (None: the base model); a moved request keeps it.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

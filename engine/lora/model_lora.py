@@ -49,7 +49,7 @@ class ModelLoRA:
                 s = LoRASlots(linear, _SHARDS[name], config.max_loras, config.max_lora_rank, dtype, device)
                 linear.lora = s
                 self.slots[(i, name)] = s
-        self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # name -> weights, as the scheduler keeps them
+        self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # cache key -> weights, as the scheduler keeps them
 
     def apply(self, so: SchedulerOutput) -> None:
         """Before the step: forget the adapters the scheduler evicted from host memory, then
@@ -64,9 +64,9 @@ class ModelLoRA:
             s.clear_slot(slot)
         if lora is None:
             return
-        weights = self.host.get(lora.lora_name)
+        weights = self.host.get(lora.cache_key)
         if weights is None:
-            weights = self.host[lora.lora_name] = read_adapter(lora, self.dtype)
+            weights = self.host[lora.cache_key] = read_adapter(lora, self.dtype)
         by_linear: dict[tuple[int, str], dict] = {}
         for (layer, module), ab in weights.items():
             _, name, shard = _PLACES[module]

@@ -18,6 +18,7 @@ class AdapterRegistry:
         self.config, self.hf_config, self.base_name = config, hf_config, base_name
         self.adapters: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
+        self._checked: set[str] = set()  # cache keys of adapters checked already
 
     def add(self, lora: LoRARequest) -> LoRARequest:
         """Add `lora` (checked); adding the same name and directory again is a no-op."""
@@ -30,8 +31,15 @@ class AdapterRegistry:
             return known
         if lora.lora_name == self.base_name:
             raise InvalidRequestError(f"{lora.lora_name!r} is the base model's name")
-        check_adapter(lora, self.hf_config, self.config.max_lora_rank)
-        self.adapters[lora.lora_name] = lora
+        self.adapters[lora.lora_name] = self.check(lora)
+        return lora
+
+    def check(self, lora: LoRARequest) -> LoRARequest:
+        """Check an adapter against the model once, without naming it here (a serving replica
+        takes the adapters its router names, router/ingress/lora_adapters.py)."""
+        if lora.cache_key not in self._checked:
+            check_adapter(lora, self.hf_config, self.config.max_lora_rank)
+            self._checked.add(lora.cache_key)
         return lora
 
     def add_path(self, name: str, path: str) -> LoRARequest:

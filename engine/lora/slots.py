@@ -21,13 +21,15 @@ from engine.lora.request import LoRARequest
 class AdapterSlots:
     def __init__(self, config: LoRAConfig) -> None:
         self.config = config
-        self.slots: list[str | None] = [None] * config.max_loras  # adapter name in each slot
+        # Adapters are keyed by LoRARequest.cache_key (name and directory): a name loaded again
+        # from another directory is another adapter.
+        self.slots: list[str | None] = [None] * config.max_loras  # adapter key in each slot
         self.slot_of: dict[str, int] = {}
         self.host: OrderedDict[str, LoRARequest] = OrderedDict()  # held by the workers, LRU first
-        self.holders: dict[str, str] = {}  # request id -> adapter name it pins
-        self.pins: dict[str, int] = {}  # adapter name -> requests pinning it
+        self.holders: dict[str, str] = {}  # request id -> adapter key it pins
+        self.pins: dict[str, int] = {}  # adapter key -> requests pinning it
         self.loads: dict[int, LoRARequest | None] = {}  # slot -> adapter, since the last step
-        self.evictions: list[str] = []  # adapters dropped from host memory since the last step
+        self.evictions: list[str] = []  # adapter keys dropped from host memory since the last step
         self.num_loads = 0  # adapters read from disk into host memory
         self.num_evictions = 0  # adapters dropped from host memory
 
@@ -38,7 +40,7 @@ class AdapterSlots:
     def acquire(self, request_id: str, lora: LoRARequest) -> int | None:
         """The slot of `lora` for this request, pinned until `release`; None when every slot is
         pinned by other adapters (nothing changes then)."""
-        name = lora.lora_name
+        name = lora.cache_key
         if request_id in self.holders:
             return self.slot_of[self.holders[request_id]]
         slot = self.slot_of.get(name)
@@ -77,11 +79,11 @@ class AdapterSlots:
     def _hold_in_host(self, lora: LoRARequest) -> None:
         """With one slot free for it: the least recently used adapters outside the slots leave
         host memory until it fits (max_cpu_loras >= max_loras, so there is one)."""
-        if lora.lora_name in self.host:
+        if lora.cache_key in self.host:
             return
         while len(self.host) >= self.config.max_cpu_loras:
             self._drop(next(n for n in self.host if n not in self.slot_of))
-        self.host[lora.lora_name] = lora
+        self.host[lora.cache_key] = lora
         self.num_loads += 1
 
     def _drop(self, name: str) -> None:
@@ -93,22 +95,22 @@ class AdapterSlots:
             self.slots[slot] = None
             self.loads[slot] = None
 
-    def in_use(self, name: str) -> bool:
-        return name in self.pins
+    def in_use(self, lora: LoRARequest) -> bool:
+        return lora.cache_key in self.pins
 
-    def forget(self, name: str) -> None:
+    def forget(self, lora: LoRARequest) -> None:
         """An adapter unloaded from the engine (not in use): out of its slot and host memory."""
-        assert name not in self.pins, name
-        if name in self.host:
-            self._drop(name)
+        assert lora.cache_key not in self.pins, lora
+        if lora.cache_key in self.host:
+            self._drop(lora.cache_key)
 
     def unplace(self, loads: dict[int, LoRARequest | None]) -> None:
         """A step carrying these loads failed (a worker could not read an adapter): adapters no
         running request pins leave their slots and host memory, so the next use loads them
         afresh rather than trusting a slot whose copy may never have happened."""
         for lora in loads.values():
-            if lora is not None and lora.lora_name not in self.pins and lora.lora_name in self.host:
-                self._drop(lora.lora_name)
+            if lora is not None and lora.cache_key not in self.pins and lora.cache_key in self.host:
+                self._drop(lora.cache_key)
 
     def take_changes(self) -> tuple[dict[int, LoRARequest | None], list[str]]:
         """The slot loads (None: cleared) and host evictions for the next step, in order:
@@ -118,5 +120,5 @@ class AdapterSlots:
         return loads, evictions
 
     def loaded(self) -> list[str]:
-        """Adapters held in host memory, least recently used first."""
-        return list(self.host)
+        """The names of the adapters held in host memory, least recently used first."""
+        return [lora.lora_name for lora in self.host.values()]

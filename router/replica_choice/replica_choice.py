@@ -44,6 +44,7 @@ import router.replica_choice.registry as registry
 import router.replica_choice.routing_log as routing_log_module
 from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
 from engine.errors import EngineDeadError
+from engine.lora.request import adapter_hash_root
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
 
@@ -162,7 +163,12 @@ class ReplicaChoice(FIFOMixin, RequestRouter):
         hashes = (
             []
             if no_hits
-            else prompt_hit_hashes(msg.prompt_token_ids, self.block_size, msg.params.cache_salt, root=self.hash_root)
+            else prompt_hit_hashes(
+                msg.prompt_token_ids,
+                self.block_size,
+                msg.params.cache_salt,
+                root=adapter_hash_root(self.hash_root, getattr(msg, "lora_request", None)),
+            )
         )
         index = kv_index_module.kv_index
 
