@@ -209,3 +209,38 @@ def test_an_adapter_that_cannot_be_read_fails_its_request_only(lora_setup, tmp_p
     qv = LoRARequest("qv", 1, str(paths["qv"]))
     (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], _params(), use_tqdm=False, lora_request=qv)
     _check(out, expected["qv"][0])
+
+
+def test_load_and_unload_under_traffic(lora_setup):
+    """Adapters added and removed between steps while others' requests run: each request keeps
+    its adapter's output, and an adapter is removed once its requests have ended."""
+    base_dir, paths, expected = lora_setup
+    llm = _llm(base_dir, max_loras=2, max_cpu_loras=2)
+    eng, done = llm.engine, {}
+
+    def step() -> None:
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+
+    def submit(name: str | None, j: int) -> str:
+        return eng.add_request(None, {"prompt_token_ids": PROMPTS[j]}, _params(), lora_request=name)
+
+    eng.load_lora_adapter("qv", str(paths["qv"]))
+    first = {submit("qv", 0): ("qv", 0), submit(None, 1): (None, 1)}
+    step()
+    eng.load_lora_adapter("all", str(paths["all"]))
+    second = {submit("all", 2): ("all", 2)}
+    step()
+    qv_id = next(iter(first))
+    while qv_id not in done:
+        step()
+    llm.remove_lora("qv")  # its request ended; "all" still runs
+    eng.load_lora_adapter("mlp1", str(paths["mlp1"]))
+    third = {submit("mlp1", 1): ("mlp1", 1)}
+    while eng.has_unfinished_requests():
+        step()
+    for rid, (name, j) in {**first, **second, **third}.items():
+        _check(done[rid], expected[name][j])
+    assert sorted(a.lora_name for a in llm.list_loras()) == ["all", "mlp1"]
+    assert "qv" not in llm.stats()["lora_loaded"]
