@@ -65,6 +65,7 @@ class PrefillKV:
     prompt_token_ids: list[int]  # the prompt minus its last token
     first_block: int  # the decode replica holds the blocks before it
     layout: KVLayout  # the decode replica's: a prefill replica with another one refuses
+    lora_request: LoRARequest | None = None  # the sequence's adapter: its KV is the adapter's
 
 
 @dataclass(frozen=True, slots=True)
