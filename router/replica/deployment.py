@@ -346,6 +346,7 @@ class EngineReplica:
             "kv_usage": snap.kv_usage,
             "queued": len(self.queue.queued),
             "in_flight": self.queue.in_flight,
+            "lora_loaded": list(snap.lora_loaded),  # adapter-aware replica choice
         }
 
     def record_autoscaling_stats(self) -> dict:
