@@ -12,7 +12,10 @@ Grouped by adapter (Punica's SGMV, in PyTorch): one matmul pair per adapter in t
 rows (a slice, or gathered by index and added back). Measured on a 2-core EPYC, float32, one
 thread, q/k/v of SmolLM2 (576 -> 1728) at rank 16: 16 rows over 1/4/16 adapters 0.15/0.33/1.8 ms
 grouped against 1.9/1.7/2.2 ms for a per-row gather of A and B with bmm, and 512 rows over 4
-adapters 3.6 ms against 81 ms: grouped everywhere.
+adapters 3.6 ms against 81 ms: grouped everywhere. A dense pass over every slot with a per-row
+mask (two matmuls per linear whatever the adapters) was 1.3-4.3x slower than grouped at 8-64
+rows over 4-16 slots (rank 16 x 3 pieces). Per-op dispatch, not arithmetic, is what a step's
+deltas cost at a few rows (one matmul pair per adapter per linear per layer).
 
 Tensor parallel, following the base layer's split: a column-parallel linear keeps A whole and
 this rank's output columns of B (its own weight loader cuts them, so fused q/k/v keeps its heads);
