@@ -30,6 +30,8 @@ _EXPORTS = {
     "InvalidRequestError": "engine.errors",
     "PromptTooLongError": "engine.errors",
     "EngineDeadError": "engine.errors",
+    "AdapterNotFoundError": "engine.errors",
+    "LoRARequest": "engine.lora.request",
 }
 __all__ = list(_EXPORTS)
 

@@ -23,6 +23,7 @@ from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFail
 from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks, KVLayout
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import EmbeddingOutput, EngineCoreOutput, RequestOutput
 from engine.request import RequestStatus
 from engine.runner.executor import ExecutorFactory, in_process_executor
@@ -97,12 +98,19 @@ class AsyncEngine:
         return self.engine.model_config
 
     async def generate(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """`lora_request`: the LoRA adapter (a LoRARequest, or the name of one known here)."""
         self._check_alive()
         rid = request_id or self.engine.next_request_id()
+        lora = self.engine.resolve_lora(lora_request, register=False)
         text, ids = self.engine.inputs.tokenize_for(prompt, params)
-        reqs = await self._make_requests(rid, ids, params, priority)
+        reqs = await self._make_requests(rid, ids, params, priority, lora_request=lora)
         children = [r.request_id for r in reqs]
         stream = self._open(rid, children)
         self._submit(AddText(rid, text, ids, params, reqs))
@@ -134,13 +142,15 @@ class AsyncEngine:
         arrival_time: float | None = None,
         resume: dict[str, list[int]] | None = None,
         kv_export_first_block: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """`resume`: see `InputProcessor.make_requests` (a request moved from another replica).
         `kv_export_first_block` (a prefill engine): the finishing output carries the request's KV
         from that block on (`EngineCoreOutput.kv_blocks`)."""
         self._check_alive()
         ids = self.engine.inputs.check_token_ids(prompt_token_ids)
-        reqs = await self._make_requests(request_id, ids, params, priority, arrival_time, resume)
+        lora = self.engine.resolve_lora(lora_request, register=False)
+        reqs = await self._make_requests(request_id, ids, params, priority, arrival_time, resume, lora_request=lora)
         for r in reqs:
             r.kv_export_first_block = kv_export_first_block
         children = [r.request_id for r in reqs]
@@ -152,13 +162,13 @@ class AsyncEngine:
         async for item in self._drain(request_id, stream, children):
             yield item
 
-    async def _make_requests(self, request_id: str, ids: list[int], params: SamplingParams, *rest) -> list:
+    async def _make_requests(self, request_id: str, ids: list[int], params: SamplingParams, *rest, **kw) -> list:
         """`inputs.make_requests`; off the event loop for a structured output, whose first use
         builds the grammar tokenizer (~0.5 s) and whose grammar may take long to build."""
         make = self.engine.inputs.make_requests
         if params.structured_output is None:
-            return make(request_id, ids, params, *rest)
-        return await asyncio.to_thread(make, request_id, ids, params, *rest)
+            return make(request_id, ids, params, *rest, **kw)
+        return await asyncio.to_thread(make, request_id, ids, params, *rest, **kw)
 
     @property
     def kv_events(self) -> KVEventLog:

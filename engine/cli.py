@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 from engine import choices
 from engine.engine_args import EngineArgs
 from engine.layers.quant.spec import METHODS
+from engine.lora.config import add_lora_flags
 
 if TYPE_CHECKING:
     from engine.runner.executor import ExecutorFactory
@@ -65,6 +66,8 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--threads", type=int, default=EngineArgs.num_threads, help="torch threads (default: all cores)")
+    add_lora_flags(p, lambda field: getattr(EngineArgs, field))
+    p.add_argument("--lora", default=None, help="run the prompts with this LoRA adapter (a --lora-modules name)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     held = p.add_mutually_exclusive_group()  # structured outputs (engine/structured/)
     held.add_argument("--json-schema", default=None, help="the output matches this JSON schema (text or @file)")
@@ -99,7 +102,7 @@ def main(
 ) -> int:
     """`executor_factory`: who builds this engine picks its executor (ARCHITECTURE.md, rule 5)."""
     args = parse_args(argv, prog)
-    from engine import LLM, OrbitalError, SamplingParams
+    from engine import LLM, InvalidRequestError, OrbitalError, SamplingParams
     from engine.runner.executor import in_process_executor
 
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -130,15 +133,22 @@ def main(
             num_threads=args.threads,
             enforce_eager=args.enforce_eager,
             pooling_type=args.pooling_type,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            lora_modules=args.lora_modules,
         )
         if args.embed:
             for prompt, e in zip(prompts, llm.embed(prompts)):
                 print(json.dumps({"prompt": prompt, "num_tokens": len(e.prompt_token_ids), "embedding": e.embedding}))
             return 0
         if args.chat:
+            if args.lora:
+                raise InvalidRequestError("--lora: not with --chat")
             outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
         else:
-            outs = llm.generate(prompts, params)
+            outs = llm.generate(prompts, params, lora_request=args.lora)
     except (OrbitalError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

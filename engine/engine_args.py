@@ -54,6 +54,14 @@ class EngineArgs:
     # Embedding requests (`LLM.embed`, /v1/embeddings): how the final-norm hidden states of the
     # prompt become one vector, L2-normalised: "last" (the last prompt token's) or "mean".
     pooling_type: str = "last"
+    # Multi-LoRA serving (engine/lora/), vLLM's names: adapters in one batch, their largest rank,
+    # adapters held in host memory (None: max_loras), and adapters known at start ("name=path"
+    # strings or a dict name -> path).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[str, ...] | dict | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

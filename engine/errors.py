@@ -34,3 +34,7 @@ class EngineStepError(EngineDeadError):
 
     def __reduce__(self):  # crosses Ray pickled: keep `suspect`
         return type(self), (str(self), self.suspect)
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """A request names a LoRA adapter the engine does not know. HTTP 404."""

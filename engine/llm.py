@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from engine.engine_args import EngineArgs
 from engine.errors import InvalidRequestError, OrbitalError
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import EmbeddingOutput, RequestOutput
 from engine.runner.executor import ExecutorFactory, in_process_executor
 from engine.sampling_params import SamplingParams
@@ -40,17 +41,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request` (with enable_lora): one adapter for every prompt or one per prompt
+        (None: the base model), as vLLM takes it; a known adapter may be named instead."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("sampling_params must be one value or one per prompt")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request must be one value or one per prompt")
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params_list)):
-                ids.append(self.engine.add_request(None, p, sp, priority[i] if priority else 0))
+                ids.append(self.engine.add_request(None, p, sp, priority[i] if priority else 0, lora_request=loras[i]))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -100,6 +107,17 @@ class LLM:
                     bar.set_postfix(out_tok_s=f"{out_tokens / max(bar.format_dict['elapsed'], 1e-9):.1f}")
         bar.close()
         return [done[i] for i in ids]
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Make an adapter known now (checked against the model); see `remove_lora`."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Forget an adapter no request uses, freeing its slot and host memory."""
+        self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_loras()
 
     def stats(self) -> dict:
         """KV blocks used/free/cached, prefix-cache hit rate, KV waste, preemptions, speculative

@@ -6,6 +6,7 @@ executor, token ids) and the output processor (detokenize, stop strings, aggrega
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -16,6 +17,9 @@ from engine.core.engine_core import EngineCore, StepInFlight
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
 from engine.kv_transfer.config import KVTransferConfig
+from engine.lora.config import LoRAConfig, parse_lora_modules
+from engine.lora.registry import AdapterRegistry
+from engine.lora.request import LoRARequest
 from engine.model_config import ModelConfig, build_model_config
 from engine.outputs import EngineCoreOutput, RequestOutput
 from engine.request import Request, RequestStatus
@@ -48,6 +52,9 @@ class LLMEngine:
             args.served_model_name,
             args.quantization,
         )
+        lora = LoRAConfig.from_args(args)
+        if lora is not None:
+            self.model_config = dataclasses.replace(self.model_config, lora=lora)
         on_gpu = torch.device(args.device).type == "cuda" and args.kv_cache_memory_bytes is None
         cache = CacheConfig(
             args.block_size,
@@ -62,6 +69,7 @@ class LLMEngine:
             args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len, args.scheduling_policy
         )
         graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
+        graphs = graphs and lora is None  # a graph would hold one step's adapter rows
         executor = executor_factory(
             self.model_config,
             cache,
@@ -70,6 +78,11 @@ class LLMEngine:
             min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0,
         )
         spec = SpeculativeConfig.from_value(args.speculative_config)
+        if lora is not None and spec is not None and spec.uses_draft_model:
+            raise InvalidRequestError(
+                f"speculative_config method {spec.method!r} drafts with a model that has no adapters; "
+                "with enable_lora use method 'ngram'"
+            )
         draft = None
         if spec is not None and spec.uses_draft_model:
             from engine.spec_decode.draft_source import build_draft_proposer
@@ -79,8 +92,19 @@ class LLMEngine:
         if torch.device(args.device).type == "cpu" and args.spare_core_max_tokens > 0:
             threads = StepThreads(torch.get_num_threads(), args.spare_core_max_tokens)
         self.core = EngineCore(
-            sched, cache, executor, spec, KVTransferConfig.from_value(args.kv_transfer_config), draft, threads
+            sched,
+            cache,
+            executor,
+            spec,
+            KVTransferConfig.from_value(args.kv_transfer_config),
+            draft,
+            threads,
+            lora,
         )
+        # The adapters known by name (engine/lora/registry.py); None: LoRA is off.
+        self.loras = AdapterRegistry(lora, self.model_config.hf_config, self.model_config.served_name) if lora else None
+        for name, path in parse_lora_modules(args.lora_modules).items():
+            self.loras.add_path(name, path)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.model_dir)
@@ -102,12 +126,16 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         prompt_text: str | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> str:
+        """`lora_request`: the adapter to run with, a LoRARequest (added when new) or a known
+        adapter's name; None: the base model."""
         request_id = request_id or self.next_request_id()
         if request_id in self._children:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        lora = self.resolve_lora(lora_request)
         text, ids = self.inputs.tokenize_for(prompt, params)
-        reqs = self.inputs.make_requests(request_id, ids, params, priority)
+        reqs = self.inputs.make_requests(request_id, ids, params, priority, lora_request=lora)
         self.add_prepared(request_id, prompt_text or text, ids, params, reqs)
         return request_id
 
@@ -125,6 +153,49 @@ class LLMEngine:
         self._children[request_id] = child_ids
         for r in reqs:
             self.core.add_request(r)
+
+    # --- LoRA adapters (engine/lora/) -------------------------------------------------------
+
+    def resolve_lora(self, lora_request: LoRARequest | str | None, register: bool = True) -> LoRARequest | None:
+        """A request's adapter: a name must be known here; a LoRARequest is checked against the
+        model and, with `register`, known by its name from then on."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is off)", param="lora_request")
+        if not register and isinstance(lora_request, LoRARequest):
+            return self.loras.check(lora_request)
+        return self.loras.resolve(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRARequest:
+        """Make an adapter known (checked against the model now; its weights are read when a
+        request first uses it)."""
+        return self.resolve_lora(lora_request)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """vLLM's `/v1/load_lora_adapter`: a name for an adapter directory."""
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is off)")
+        return self.loras.add_path(lora_name, lora_path)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """vLLM's `/v1/unload_lora_adapter`: forget an adapter and free its slot and host memory.
+        Refused while a request runs or waits with it."""
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (enable_lora is off)")
+        if lora_name not in self.loras.adapters:
+            self.loras.remove(lora_name)  # raises AdapterNotFoundError
+        lora = self.loras.adapters[lora_name]
+        users = [r.request_id for r in self.core.scheduler.requests.values() if r.lora_request == lora]
+        if users:
+            raise InvalidRequestError(
+                f"the LoRA adapter {lora_name!r} is in use by {len(users)} request(s); unload it when they end"
+            )
+        self.core.scheduler.lora.forget(lora)
+        self.loras.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.loras.list() if self.loras is not None else []
 
     def abort_request(self, request_id: str) -> None:
         children = self._children.pop(request_id, [])

@@ -5,11 +5,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.choices import DTYPES
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ class ModelConfig:
     served_name: str
     quantization: str | None = None  # weight-only ("int8", "int4[:gN]", "gguf", "gptq", "awq"): engine/layers/quant/
     gguf_file: Path | None = None  # quantization="gguf": the file whose blocks are loaded
+    lora: LoRAConfig | None = None  # multi-LoRA slots on every worker (engine/lora/); None: off
 
     @property
     def num_layers(self) -> int:

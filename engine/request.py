@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.lora.request import LoRARequest
     from engine.structured.matcher import GrammarMatcher
 
 
@@ -81,6 +82,9 @@ class Request:
     kv_export_first_block: int | None = None
     # Structured outputs (engine/structured/): where the output stands in its grammar.
     grammar: GrammarMatcher | None = None
+    # Multi-LoRA (engine/lora/): the adapter this sequence runs with (None: the base model). It
+    # roots the request's prefix-cache hash chain.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -42,6 +42,11 @@ class EngineStats:
     num_remote_prefills: int = 0
     num_local_prefills: int = 0
     num_remote_prefill_failures: int = 0
+    # Multi-LoRA (engine/lora/slots.py): adapters held in host memory (least recently used first),
+    # and cumulative: adapters read from disk, adapters dropped from host memory.
+    lora_loaded: tuple[str, ...] = ()
+    num_lora_loads: int = 0
+    num_lora_evictions: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

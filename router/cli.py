@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from engine import choices
 from engine.layers.quant.spec import METHODS
+from engine.lora.config import add_lora_flags, parse_lora_modules
 
 if TYPE_CHECKING:
     from router.config import AppConfig
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "draft:k:/local/draft-model (draft length adapts per request and load)",
     )
     s.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: all cores / replicas)")
+    add_lora_flags(s, _d)
     s.add_argument(
         "--spare-core-max-tokens",
         type=int,
@@ -298,6 +300,11 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         speculative=a.speculative,
         num_threads=a.threads or max(1, int(cpus)),
         spare_core_max_tokens=a.spare_core_max_tokens,
+        enable_lora=a.enable_lora,
+        max_loras=a.max_loras,
+        max_lora_rank=a.max_lora_rank,
+        max_cpu_loras=a.max_cpu_loras,
+        lora_modules=parse_lora_modules(a.lora_modules) or None,
         cpus_per_worker=cpus,
         max_queued_requests=a.max_queued_requests,
         routing=a.routing,

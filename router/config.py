@@ -108,6 +108,21 @@ class AppConfig(BaseModel):
         "self), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, draft_layers, "
         "draft_quantization, draft_num_blocks} (None = off).",
     )
+    enable_lora: bool = Field(
+        _E.enable_lora,
+        description="Serve PEFT LoRA adapters of the base model (engine/lora/): clients name one as `model` "
+        "(OpenAI) or `adapter_id` (TGI); /v1/load_lora_adapter and /v1/unload_lora_adapter change them.",
+    )
+    max_loras: int = Field(_E.max_loras, ge=1, description="LoRA adapters in one engine batch (slots).")
+    max_lora_rank: int = Field(
+        _E.max_lora_rank, ge=1, description="The largest LoRA rank the slots hold; larger adapters are refused."
+    )
+    max_cpu_loras: int | None = Field(
+        _E.max_cpu_loras, ge=1, description="LoRA adapters kept in host memory per replica, LRU (default: max_loras)."
+    )
+    lora_modules: dict[str, str] | None = Field(
+        None, description="LoRA adapters served from the start: name -> local adapter directory."
+    )
     num_threads: int | None = Field(None, ge=1, description="torch threads per worker (default: its CPUs).")
     spare_core_max_tokens: int = Field(
         0,
@@ -323,6 +338,19 @@ class AppConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _lora(self) -> "AppConfig":
+        from engine.lora.config import LoRAConfig
+
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: needs enable_lora")
+        if self.enable_lora:
+            try:
+                LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+        return self
+
+    @model_validator(mode="after")
     def _disaggregated(self) -> "AppConfig":
         if self.prefill_replicas and self.models is not None:
             raise ValueError("prefill_replicas: disaggregated serving takes one model (no `models` pools)")
@@ -463,4 +491,9 @@ class AppConfig(BaseModel):
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
             "spare_core_max_tokens": self.spare_core_max_tokens,
             "pooling_type": self.pooling_type,
+            "enable_lora": self.enable_lora,
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "max_cpu_loras": self.max_cpu_loras,
+            "lora_modules": dict(self.lora_modules) if self.lora_modules else None,
         }

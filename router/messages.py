@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.kv_transfer.blocks import KVLayout
+from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 
@@ -54,6 +55,8 @@ class SubmitRequest:
     resume: dict[str, list[int]] | None = None
     # Replicas the replica choice must not pick (the ones this request already left).
     avoid_replicas: tuple[str, ...] = ()
+    # The LoRA adapter it runs with (None: the base model); a moved request keeps it.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class PrefillKV:
     prompt_token_ids: list[int]  # the prompt minus its last token
     first_block: int  # the decode replica holds the blocks before it
     layout: KVLayout  # the decode replica's: a prefill replica with another one refuses
+    lora_request: LoRARequest | None = None  # the sequence's adapter: its KV is the adapter's
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from engine.stats import EngineStats
 from engine.step_threads import StepThreads
 
 if TYPE_CHECKING:
+    from engine.lora.config import LoRAConfig
     from engine.spec_decode.draft_model import DraftModelProposer
 
 
@@ -35,6 +36,7 @@ class EngineCore:
         kv_transfer: KVTransferConfig | None = None,
         draft_model: DraftModelProposer | None = None,
         step_threads: StepThreads | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.executor = executor
         self.step_threads = step_threads
@@ -44,7 +46,14 @@ class EngineCore:
             table = executor.measure_step_costs(scheduler_config.max_num_seqs, spec_config.num_speculative_tokens)
             cost = StepCostModel(table) if table else None
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, executor.num_blocks, spec_config, cost, kv_transfer, draft_model
+            scheduler_config,
+            cache_config,
+            executor.num_blocks,
+            spec_config,
+            cost,
+            kv_transfer,
+            draft_model,
+            lora_config,
         )
         self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
@@ -75,7 +84,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         # Published before the model runs: the blocks are in the hash map once scheduled.
         self.publish_kv_events()
-        if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
+        if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids and not so.has_lora_changes:
             return StepInFlight(so, outputs=self.scheduler.update_from_output(so, _EMPTY))
         if self.step_threads is not None:
             self.step_threads.apply(so.total_num_scheduled_tokens)

@@ -21,6 +21,7 @@ from engine.core.block_hash import kv_hash_root, max_hit_blocks, update_block_ha
 from engine.core.block_pool import BlockPool
 from engine.core.free_block_queue import KVCacheBlock
 from engine.core.tail_hits import TailHit, tail_key
+from engine.lora.request import adapter_hash_root
 from engine.request import Request
 
 
@@ -48,6 +49,11 @@ class KVCacheManager:
         self._pinned: list[KVCacheBlock] = []
         self._fresh: set[int] = set()
 
+    def root_of(self, request: Request) -> int | None:
+        """The parent of the request's first block: the KV dtype's root, and its LoRA adapter's
+        identity when it has one (two adapters never share KV)."""
+        return adapter_hash_root(self.hash_root, request.lora_request)
+
     def can_share(self, request: Request) -> bool:
         return self.enable_prefix_caching or request.cache_salt is not None
 
@@ -59,7 +65,7 @@ class KVCacheManager:
         if not self.can_share(request) or request.sampling_params.needs_every_prompt_position:
             # Prompt logprobs and mean pooling need every prompt position computed, so no hits.
             return [], 0
-        hashes = update_block_hashes(request, self.block_size, self.hash_root)
+        hashes = update_block_hashes(request, self.block_size, self.root_of(request))
         max_blocks = max_hit_blocks(request.num_tokens, self.block_size)
         blocks: list[KVCacheBlock] = []
         for block_hash in hashes[:max_blocks]:
@@ -85,7 +91,7 @@ class KVCacheManager:
 
     def _tail_key(self, request: Request, index: int) -> tuple:
         """The tail-index key of the request's block `index` (its block hashes cover index - 1)."""
-        parent = request.block_hashes[index - 1] if index else self.hash_root
+        parent = request.block_hashes[index - 1] if index else self.root_of(request)
         return tail_key(parent, request.cache_salt, index, request.all_token_ids[index * self.block_size])
 
     def allocate_slots(
@@ -145,7 +151,7 @@ class KVCacheManager:
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full_blocks <= num_cached:
             return
-        update_block_hashes(request, self.block_size, self.hash_root)
+        update_block_hashes(request, self.block_size, self.root_of(request))
         blocks = self.req_to_blocks[request.request_id]
         self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full_blocks)
         self.num_cached_block[request.request_id] = num_full_blocks
@@ -186,7 +192,7 @@ class KVCacheManager:
         block = blocks[index]
         if block.block_hash is not None or block.ref_cnt != 1:
             return
-        update_block_hashes(request, self.block_size, self.hash_root)
+        update_block_hashes(request, self.block_size, self.root_of(request))
         start = index * self.block_size
         self.block_pool.tails.add(block, self._tail_key(request, index), request.all_token_ids[start : start + filled])
 

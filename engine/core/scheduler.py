@@ -25,6 +25,9 @@ from engine.core.step_faults import StepFaults
 from engine.kv_transfer.awaiting_kv import KVLoadRequest, RemotePrefill
 from engine.kv_transfer.config import KVTransferConfig
 from engine.kv_transfer.exports import KVExports
+from engine.lora.batch import NO_SLOT
+from engine.lora.config import LoRAConfig
+from engine.lora.slots import AdapterSlots
 from engine.outputs import EngineCoreOutput, TokenLogprob
 from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
@@ -49,6 +52,7 @@ class Scheduler:
         step_cost: StepCostModel | None = None,
         kv_transfer: KVTransferConfig | None = None,
         draft_model: DraftModelProposer | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -76,6 +80,8 @@ class Scheduler:
         self.exports = KVExports(self.kv_cache_manager)
         self.faults = StepFaults()
         self._fault_preempted: set[str] = set()  # rolled back after a failed step: the runner drops them
+        # Multi-LoRA (None: off): adapter slots pinned by running requests (engine/lora/slots.py).
+        self.lora = AdapterSlots(lora_config) if lora_config is not None else None
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -137,6 +143,8 @@ class Scheduler:
             self.exports.add(req)  # freed by exports.release once its blocks are read
         else:
             self.kv_cache_manager.free(req)
+        if self.lora is not None:
+            self.lora.release(req.request_id)
         if self.drafting is not None:
             self.drafting.forget(req.request_id)
             self._truncated.pop(req.request_id, None)
@@ -175,6 +183,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, count: bool = True) -> None:
         self.kv_cache_manager.free(req)
+        if self.lora is not None:
+            self.lora.release(req.request_id)
         self._truncated.pop(req.request_id, None)
         if self.drafting is not None:
             self.drafting.release(req.request_id)
@@ -269,6 +279,7 @@ class Scheduler:
 
         # 2. Waiting requests, unless this step had to preempt (memory is short).
         scheduled_new: list[Request] = []
+        no_slot: list[Request] = []  # their adapter found no free slot: passed over this step
         if not preempted:
             if self.config.policy == "priority" and suspect is None:
                 self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
@@ -279,6 +290,9 @@ class Scheduler:
                 and (suspect is None or self.waiting[0] is suspect)
             ):
                 req = self.waiting[0]
+                if not self._acquire_adapter(req):
+                    no_slot.append(self.waiting.popleft())
+                    continue
                 tail = None
                 if self._holds_blocks(req):  # its KV arrived (or is recomputed): blocks held
                     hit_blocks, num_hit = [], 0
@@ -286,6 +300,8 @@ class Scheduler:
                     hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
                     remote = self.remote.remote_tokens(req, num_hit) if self.remote is not None else 0
                     if remote:
+                        if self.lora is not None:
+                            self.lora.release(req.request_id)  # pinned again once its KV is here
                         if not self.remote.hold(req, hit_blocks, num_hit, remote):
                             break
                         self.waiting.popleft()  # waits in self.remote until its KV arrives
@@ -295,6 +311,8 @@ class Scheduler:
                 n = self._num_new_tokens(req, budget, num_hit)
                 block_ids = self.kv_cache_manager.allocate_slots(req, n, hit_blocks, tail=tail)
                 if block_ids is None:
+                    if self.lora is not None:
+                        self.lora.release(req.request_id)
                     break  # keep policy order: nobody jumps the head of the queue
                 self.waiting.popleft()
                 req.num_computed_tokens += num_hit
@@ -309,6 +327,7 @@ class Scheduler:
                 budget -= n
                 if suspect is not None:
                     break
+            self.waiting.extendleft(reversed(no_slot))  # their places in the queue kept
         if suspect is not None and not scheduled_new:  # no room or held for remote KV: as usual
             return self.schedule(isolate=False)
 
@@ -322,6 +341,7 @@ class Scheduler:
                     sampling_params=req.sampling_params,
                     block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
                     num_computed_tokens=req.num_computed_tokens,
+                    lora_slot=self.lora.slot(req.request_id) if self.lora is not None else NO_SLOT,
                 )
             )
         for req in scheduled_running:
@@ -333,6 +353,8 @@ class Scheduler:
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         out.grammar_bitmasks = step_bitmasks(scheduled_new + scheduled_running, out.scheduled_spec_tokens)
         out.kv_copies = self.kv_cache_manager.take_copies()
+        if self.lora is not None:
+            out.lora_loads, out.lora_evictions = self.lora.take_changes()
         out.preempted_request_ids = {r.request_id for r in preempted} | self._fault_preempted
         self._fault_preempted = set()
         out.finished_request_ids = self.finished_req_ids
@@ -341,6 +363,14 @@ class Scheduler:
             out.truncated_block_tables, self._truncated = self._truncated, {}
         self.num_steps += 1
         return out
+
+    def _acquire_adapter(self, req: Request) -> bool:
+        """Pin a slot for the request's adapter (a request of the base model needs none)."""
+        if req.lora_request is None:
+            return True
+        if self.lora is None:  # the front end refuses these; never run one on the base model
+            raise RuntimeError(f"request {req.request_id} names a LoRA adapter but LoRA is off")
+        return self.lora.acquire(req.request_id, req.lora_request) is not None
 
     def isolate_fault(self, so: SchedulerOutput, error: BaseException) -> list[EngineCoreOutput] | None:
         """The step of `so` raised `error` (step_faults.py): roll back every request it ran, fail
@@ -371,6 +401,8 @@ class Scheduler:
                 self._preempt(req, count=False)
                 self._fault_preempted.add(rid)
         self.faults.quarantined.update(suspects)
+        if self.lora is not None:
+            self.lora.unplace(so.lora_loads)
         log.warning(
             "engine step failed (%s: %s); %s",
             type(error).__name__,
@@ -554,6 +586,9 @@ class Scheduler:
             num_remote_prefills=rp.num_remote if rp else 0,
             num_local_prefills=rp.num_local if rp else 0,
             num_remote_prefill_failures=rp.num_failed if rp else 0,
+            lora_loaded=tuple(self.lora.loaded()) if self.lora else (),
+            num_lora_loads=self.lora.num_loads if self.lora else 0,
+            num_lora_evictions=self.lora.num_evictions if self.lora else 0,
         )
 
     def stats(self) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.lora.request import LoRARequest
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -24,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    lora_slot: int = -1  # its adapter's slot while it runs (engine/lora/slots.py); -1: the base model
 
 
 @dataclass
@@ -53,6 +55,14 @@ class SchedulerOutput:
     # Structured outputs: request id -> [1 + drafts, ceil(V/32)] int32 bitmasks of the tokens
     # its sampled positions may take (engine/structured/matcher.py).
     grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Multi-LoRA, applied before the step: adapters the workers drop from host memory, then
+    # slot -> the adapter copied into it (None: the slot is cleared).
+    lora_evictions: list[str] = field(default_factory=list)
+    lora_loads: dict[int, LoRARequest | None] = field(default_factory=dict)
+
+    @property
+    def has_lora_changes(self) -> bool:
+        return bool(self.lora_evictions or self.lora_loads)
 
     @property
     def is_empty(self) -> bool:

@@ -22,6 +22,7 @@ from engine.request import Request, RequestStatus
 if TYPE_CHECKING:
     from engine.core.free_block_queue import KVCacheBlock
     from engine.core.kv_cache_manager import KVCacheManager
+    from engine.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class KVLoadRequest:
     prompt_token_ids: list[int]
     first_block: int
     num_blocks: int
+    lora_request: LoRARequest | None = None  # the prefill runs with the sequence's adapter
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +81,9 @@ class RemotePrefill:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         first = num_hit // self.block_size
-        load = KVLoadRequest(req.request_id, list(req.prompt_token_ids[:num_tokens]), first, len(block_ids) - first)
+        load = KVLoadRequest(
+            req.request_id, list(req.prompt_token_ids[:num_tokens]), first, len(block_ids) - first, req.lora_request
+        )
         self.waiting[req.request_id] = (req, load)
         self._loads.append(load)
         self.num_remote += 1

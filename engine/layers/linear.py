@@ -4,6 +4,8 @@ Column-parallel: each rank owns a slice of the output features, no communication
 Row-parallel: each rank owns a slice of the input features; partial sums are all-reduced,
 and the bias is added on rank 0 only so it is counted once.
 Each parameter carries a `weight_loader` that slices the full checkpoint tensor for its rank.
+A layer may carry LoRA slots (`lora`, engine/lora/layer.py): their delta is added to the output,
+before the all-reduce of a row-parallel layer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from engine.layers.weight_utils import copy_into, copy_rows_into, narrow
 if TYPE_CHECKING:
     from engine.layers.quant import QuantSpec
     from engine.layers.weight_utils import Weight
+    from engine.lora.layer import LoRASlots
 
 
 def _divide(a: int, b: int, what: str) -> int:
@@ -30,6 +33,8 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class ColumnParallelLinear(nn.Module):
+    lora: LoRASlots | None = None  # set by engine/lora/model_lora.py
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = get_tp_group()
@@ -59,7 +64,10 @@ class ColumnParallelLinear(nn.Module):
         self.weight = quantize_param(self.weight, spec)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)
+        return y
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -123,10 +131,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
+    lora: LoRASlots | None = None  # set by engine/lora/model_lora.py
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         tp = get_tp_group()
         self.tp_size, self.tp_rank = tp.size, tp.rank
+        self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, tp.size, "input features")
         self.weight = nn.Parameter(
             torch.empty(output_size, self.input_size_per_partition, dtype=dtype), requires_grad=False
@@ -150,4 +161,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return tp_all_reduce(linear(x, self.weight, bias))
+        y = linear(x, self.weight, bias)
+        if self.lora is not None:
+            self.lora.add_delta(x, y)  # this rank's partial delta, summed by the all-reduce
+        return tp_all_reduce(y)

@@ -125,6 +125,8 @@ class FusedDecode:
                 return None  # Gemma's (model/gemma.py): four (1 + weight) norms, GeGLU
             if not hasattr(layer.mlp, "gate_up_proj"):
                 return None  # a mixture-of-experts layer: its experts run one by one
+            if any(m.lora is not None for m in _linears(layer)):
+                return None  # LoRA deltas (engine/lora/) run in the modules
             attn = layer.self_attn
             if not isinstance(attn.attn.backend, CpuPagedAttentionBackend) or not attn.llama_math:
                 return None

@@ -19,6 +19,7 @@ from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, wri
 from engine.kv_transfer.blocks import KVLayout
 from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
 from engine.layers.sampler import Sampler, SamplerOutput, argmax_rows, compute_prompt_logprobs
+from engine.lora.batch import lora_context
 from engine.model.loader import load_model
 from engine.model_config import ModelConfig
 from engine.runner import host_to_device
@@ -73,6 +74,7 @@ class ModelRunner:
         self.states = RunnerStates()
         self.sampler = Sampler()
         self.model = None
+        self.lora = None  # ModelLoRA (engine/lora/model_lora.py) when the model config turns LoRA on
         self.kv_caches: list[torch.Tensor] = []
         self._kv_buffer = None  # owns the CPU cache's memory
         if self.device.type == "cpu":
@@ -93,6 +95,10 @@ class ModelRunner:
                 self.mc.gguf_file,
             )
         )
+        if self.mc.lora is not None and model is None:
+            from engine.lora.model_lora import ModelLoRA
+
+            self.lora = ModelLoRA(self.model, self.mc.lora, self.mc.dtype, self.device)
         # Fixed for the model's life: whether step metadata needs padded decode buckets.
         self.uses_decode_buckets = self.model.attention_layers()[0].backend.uses_decode_buckets
         self._eos = list(self.mc.eos_token_ids)
@@ -257,6 +263,8 @@ class ModelRunner:
         if so.kv_copies:  # tail hits: before any of this step's KV writes
             copy_slots(self.kv_caches, so.kv_copies)
         self.states.apply(so)
+        if self.lora is not None and so.has_lora_changes:
+            self.lora.apply(so)
         if so.is_empty:
             return functools.partial(ModelRunnerOutput) if self.tp.rank == 0 else _none
         rids = list(so.num_scheduled_tokens)
@@ -270,7 +278,11 @@ class ModelRunner:
             batch = build_step_batch(
                 states, counts, self.cc.block_size, self.device, decode_buckets=self.uses_decode_buckets
             )
-            with forward_context(batch.meta):
+            lora = None
+            if self.lora is not None:
+                slots = [self.states[r].lora_slot for r in batch.request_ids]
+                lora = self.lora.batch(slots, batch.starts, batch.counts, self.device)
+            with forward_context(batch.meta), lora_context(lora):
                 hidden = self.model(batch.input_ids, batch.positions)
         by_id = {r: self.states[r] for r in batch.request_ids}
         # Rows that produce a token: the last scheduled token reaches the end of the sequence

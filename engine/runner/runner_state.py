@@ -22,6 +22,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)  # this step's drafts, after the last token
     pooled_sum: torch.Tensor | None = None  # mean pooling: the float32 sum of the hidden rows so far (pooling.py)
+    lora_slot: int = -1  # its adapter's slot (engine/lora/); -1: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -57,6 +58,7 @@ class RunnerStates(dict):
                 new.sampling_params,
                 list(new.block_ids),
                 new.num_computed_tokens,
+                lora_slot=new.lora_slot,
             )
         for cached in so.cached_requests:
             st = self.get(cached.request_id)

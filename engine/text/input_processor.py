@@ -15,6 +15,8 @@ from engine.structured.matcher import GrammarTokenizer
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from engine.lora.request import LoRARequest
+
 PromptInput = str | dict | Sequence[int]
 
 # apply_chat_template's parameters and the variables it sets itself: never from a client.
@@ -199,6 +201,7 @@ class InputProcessor:
         priority: int = 0,
         arrival_time: float | None = None,
         resume: dict[str, list[int]] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[Request]:
         """`resume` (a request moved here from another replica): child id -> the output tokens it
         generated there. Only those children are made, each with its outputs restored (not part of
@@ -242,6 +245,7 @@ class InputProcessor:
                     cache_salt=salt,
                     max_tokens=max_tokens,
                     output_token_ids=list(resume[rid]) if resume is not None else [],
+                    lora_request=lora_request,
                     **kw,
                 )
             )

@@ -22,7 +22,7 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import Message, Send
@@ -269,6 +269,35 @@ class Ingress:
         except APIError as e:
             return error_response(e, api_path(request))
         return self.pools.models()
+
+    # --- LoRA adapters (router/ingress/lora_adapters.py) -------------------------------------
+
+    @app.post("/v1/load_lora_adapter")
+    async def http_load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: serve a PEFT LoRA adapter directory under a name (`lora_name`, `lora_path`)."""
+        return await self._lora_change(request, "http_load")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def http_unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: stop serving an adapter (`lora_name`); 404 for an unknown one."""
+        return await self._lora_change(request, "http_unload")
+
+    async def _lora_change(self, request: Request, method: str) -> Response:
+        try:
+            body = await self._body(request)
+            pool = self.pools.lora_pool(None)
+            return PlainTextResponse(await asyncio.to_thread(getattr(pool.loras, method), body))
+        except Exception as e:  # noqa: BLE001 - every error in the API's shape
+            return error_response(e, api_path(request))
+
+    async def load_lora_adapter(self, body: dict) -> str:
+        """The Python handle's /v1/load_lora_adapter."""
+        pool = self.pools.lora_pool(None)
+        return await asyncio.to_thread(pool.loras.http_load, body)
+
+    async def unload_lora_adapter(self, body: dict) -> str:
+        pool = self.pools.lora_pool(None)
+        return await asyncio.to_thread(pool.loras.http_unload, body)
 
     # --- TGI --------------------------------------------------------------------------------
 

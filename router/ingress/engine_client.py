@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request import child_request_ids, parent_request_id
 from engine.sampling_params import SamplingParams
@@ -131,6 +132,7 @@ class EngineClient:
         arrival_wall: float | None = None,
         priority: int = 0,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """RequestOutputs of one request. `stream=False`: the caller only wants the end, so the
         replica may hand over several steps at once (`nonstream_batch_interval_s`). When its
@@ -157,6 +159,7 @@ class EngineClient:
                 arrival_wall or time.time(),
                 priority,
                 0.0 if stream else self.nonstream_batch_interval_s,
+                lora_request=lora_request,
             )
             first, last = True, None
             while not done:

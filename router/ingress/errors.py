@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from ray.exceptions import RayTaskError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineDeadError, InvalidRequestError
+from engine.errors import AdapterNotFoundError, EngineDeadError, InvalidRequestError
 from router.backpressure import OverloadedError
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ def to_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, OverloadedError):
         return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, AdapterNotFoundError):
+        return APIError(404, str(exc), param=exc.param, code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, (ValidationError, RequestValidationError)):

@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Itera
 
 from ray.exceptions import RayTaskError
 
+from engine.errors import InvalidRequestError
 from router.backpressure import IngressQueue, OverloadedError
 from router.ingress.embeddings_api import EmbeddingServing
 from router.ingress.engine_client import EngineClient
 from router.ingress.errors import APIError
 from router.ingress.failover import moves_request
+from router.ingress.lora_adapters import LoRAAdapters
 from router.ingress.openai_api import OpenAIServing
 from router.ingress.openai_models import ModelCard, ModelList
 from router.ingress.tgi_api import TGIServing
@@ -55,6 +57,7 @@ class PoolClient:
     embeddings: EmbeddingServing
     max_model_len: int
     expected_replicas: int  # what /health wants up (num_replicas; min_replicas when autoscaled)
+    loras: LoRAAdapters | None = None  # its LoRA adapters by name (enable_lora); None: off
 
 
 @dataclass
@@ -97,6 +100,7 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
     tokenizer = AutoTokenizer.from_pretrained(mc.model_dir)
     inputs = InputProcessor(tokenizer, mc, cfg.enable_prefix_caching)
     watermark = cfg.watermark()  # read here, in the router replica
+    loras = LoRAAdapters(cfg.model_name, mc.hf_config, cfg.max_lora_rank, cfg.lora_modules) if cfg.enable_lora else None
     client = EngineClient(
         handle,
         tokenizer,
@@ -138,11 +142,13 @@ def build_pool(cfg: AppConfig, handle: DeploymentHandle) -> PoolClient:
             cfg.report_cached_tokens,
             watermark,
             cfg.reasoning_parser,
+            loras,
         ),
-        tgi=TGIServing(client, cfg.model_name, info, watermark),
+        tgi=TGIServing(client, cfg.model_name, info, watermark, loras),
         embeddings=EmbeddingServing(client, cfg.model_name, cfg.pooling_type, mc.hf_config.hidden_size),
         max_model_len=mc.max_model_len,
         expected_replicas=cfg.num_replicas,
+        loras=loras,
     )
 
 
@@ -252,17 +258,34 @@ class ModelPools:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found") from None
 
     def tier(self, model: str | None) -> list[PoolClient]:
-        """The pools a request for `model` may use, in order (404 for an unknown name)."""
+        """The pools a request for `model` may use, in order (404 for an unknown name). A LoRA
+        adapter's name is served by the pool of its base model."""
         if model in self.aliases:
             return [self.by_name[p] for p in self.aliases[model]]
+        if model and model not in self.by_name:
+            for p in self:
+                if p.loras is not None and p.loras.get(model) is not None:
+                    return [p]
         return [self.get(model or None)]
 
+    def lora_pool(self, model: str | None) -> PoolClient:
+        """The pool whose adapters /v1/load_lora_adapter and /v1/unload_lora_adapter change
+        (None: the first)."""
+        pool = self.get(model or None)
+        if pool.loras is None:
+            raise InvalidRequestError(f"{pool.name!r} serves no LoRA adapters (start it with enable_lora)")
+        return pool
+
     def models(self) -> dict:
-        """/v1/models: every pool, then every alias (with its first pool's context length)."""
+        """/v1/models: every pool, then every alias (with its first pool's context length), then
+        every LoRA adapter with its base model as `parent` (vLLM's cards)."""
         cards = [ModelCard(id=p.name, root=p.name, max_model_len=p.max_model_len) for p in self]
         for alias, tier in self.aliases.items():
             first = self.by_name[tier[0]]
             cards.append(ModelCard(id=alias, root=first.name, max_model_len=first.max_model_len))
+        for p in self:
+            for name, lora in (p.loras.adapters if p.loras is not None else {}).items():
+                cards.append(ModelCard(id=name, root=lora.lora_path, parent=p.name, max_model_len=p.max_model_len))
         return ModelList(data=cards).model_dump()
 
     async def detect_watermark(self, body: dict) -> dict:

@@ -15,11 +15,13 @@ from contextlib import aclosing
 from typing import AsyncIterator
 
 from engine.errors import InvalidRequestError
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.watermark import Watermark, detect
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
+from router.ingress.lora_adapters import LoRAAdapters
 from router.ingress.openai_logprobs import chat_logprobs, completion_logprobs
 from router.ingress.openai_models import (
     ChatCompletionRequest,
@@ -75,12 +77,17 @@ class OpenAIServing:
         report_cached_tokens: bool = True,
         watermark: Watermark | None = None,
         reasoning_parser: str | None = None,
+        loras: LoRAAdapters | None = None,
     ) -> None:
         self.client, self.model_name, self.max_model_len = client, model_name, max_model_len
         self.tool_call_parser = tool_call_parser  # tool_choice "auto" (tool_parsers.py); None: refused
         self.report_cached_tokens = report_cached_tokens
         self.watermark = watermark  # the deployment's (AppConfig.watermark_key_file); None: refused
         self.reasoning_parser = reasoning_parser  # <think> blocks to reasoning_content; None: left in content
+        self.loras = loras  # the pool's LoRA adapters, named as `model` (lora_adapters.py); None: off
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        return self.loras.get(model) if self.loras is not None else None
 
     def _watermarked(self, req, params: SamplingParams) -> SamplingParams:
         if not req.watermark:
@@ -109,7 +116,7 @@ class OpenAIServing:
     def check_model(self, model: str | None, served_as: str | None = None) -> str:
         """The name responses carry: `served_as` (the alias the client asked for) or the pool's own.
         404 for any other name."""
-        if model not in (None, "", self.model_name, served_as):
+        if model not in (None, "", self.model_name, served_as) and self.lora_of(model) is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return served_as or self.model_name
 
@@ -128,7 +135,9 @@ class OpenAIServing:
         rid, arrival = new_request_id("cmpl"), time.time()
         _log_user(rid, req.user)
         streams = [
-            self.client.generate(f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream)
+            self.client.generate(
+                f"{rid}-{i}", text, ids, params, arrival, req.priority, req.stream, self.lora_of(req.model)
+            )
             for i, (text, ids) in enumerate(prompts)
         ]
         if req.stream:
@@ -280,7 +289,9 @@ class OpenAIServing:
             text, ids = None, self.client.inputs.truncate(ids, params)
         rid, arrival = new_request_id("chatcmpl"), time.time()
         _log_user(rid, req.user)
-        stream = self.client.generate(rid, text, ids, params, arrival, req.priority, req.stream)
+        stream = self.client.generate(
+            rid, text, ids, params, arrival, req.priority, req.stream, self.lora_of(req.model)
+        )
         if req.stream:
             return self._stream_chat(req, rid, name, len(ids), stream, tools, reasoning)
         (out,) = await collect([stream])

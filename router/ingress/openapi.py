@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from router.ingress.embeddings_api import EmbeddingRequest
 from router.ingress.errors import is_tgi_path
+from router.ingress.lora_adapters import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest, WatermarkDetectRequest
 from router.ingress.response_models import SSE, SUCCESS, Health
 from router.ingress.responses_models import ResponsesRequest
@@ -34,7 +35,11 @@ BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/generate", "post"): GenerateRequest,
     ("/generate_stream", "post"): GenerateRequest,
     ("/", "post"): GenerateRequest,
+    ("/v1/load_lora_adapter", "post"): LoadLoRAAdapterRequest,
+    ("/v1/unload_lora_adapter", "post"): UnloadLoRAAdapterRequest,
 }
+# Routes that answer a line of plain text, as vLLM's do.
+PLAIN_TEXT = {("/v1/load_lora_adapter", "post"), ("/v1/unload_lora_adapter", "post")}
 OPENAI_ERRORS = {
     "400": "Invalid request (bad JSON, field or value; prompt over the context length).",
     "401": "Missing or wrong API key.",
@@ -131,6 +136,11 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
             op = spec["paths"].get(path, {}).get(method)
             if op is not None:
                 op["responses"]["200"] = _success(schemas, bodies, path)
+        for path, method in PLAIN_TEXT:
+            op = spec["paths"].get(path, {}).get(method)
+            if op is not None:
+                text = {"text/plain": {"schema": {"type": "string"}}}
+                op["responses"]["200"] = {"description": "What was done, in a line of text.", "content": text}
         health = spec["paths"].get("/health", {}).get("get")
         if health is not None:
             health["responses"]["503"] = {

@@ -12,13 +12,14 @@ import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-from engine.errors import InvalidRequestError
+from engine.errors import AdapterNotFoundError, InvalidRequestError
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
 from engine.watermark import Watermark
 from router.ingress.engine_client import EngineClient, new_request_id
 from router.ingress.errors import APIError, error_status, parse_body
+from router.ingress.lora_adapters import LoRAAdapters
 from router.ingress.streams import collect
 from router.ingress.tgi_models import Details, GenerateParameters, GenerateRequest, StreamDetails, StreamResponse, Token
 
@@ -61,9 +62,17 @@ def finish_reason(c: CompletionOutput) -> str:
 
 
 class TGIServing:
-    def __init__(self, client: EngineClient, model_name: str, info: dict, watermark: Watermark | None = None) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        model_name: str,
+        info: dict,
+        watermark: Watermark | None = None,
+        loras: LoRAAdapters | None = None,
+    ) -> None:
         self.client, self.model_name, self.info_body = client, model_name, info
         self.watermark = watermark  # the deployment's (AppConfig.watermark_key_file); None: refused
+        self.loras = loras  # the LoRA adapters `adapter_id` names (lora_adapters.py); None: none served
         self.special = set(getattr(client.tokenizer, "all_special_ids", []) or [])
 
     def info(self) -> dict:
@@ -72,8 +81,12 @@ class TGIServing:
     async def _start(self, body: dict, stream: bool):
         req = parse_body(GenerateRequest, body)
         p = req.parameters
+        lora = None
         if p.adapter_id is not None:
-            raise InvalidRequestError("adapter_id: no adapters are served by this deployment", param="adapter_id")
+            lora = self.loras.get(p.adapter_id) if self.loras is not None else None
+            if lora is None:
+                served = "no adapters are served by this deployment" if self.loras is None else "no such adapter"
+                raise AdapterNotFoundError(f"adapter_id: {p.adapter_id!r}: {served}", param="adapter_id")
         if p.watermark and self.watermark is None:
             raise InvalidRequestError("watermark: this deployment has no watermark key", param="watermark")
         params = sampling_params(p, want_logprobs=stream or p.details)
@@ -85,7 +98,9 @@ class TGIServing:
             # over it, take what the context has left.
             params.max_tokens = max(1, min(params.max_tokens, self.info_body["max_total_tokens"] - len(ids)))
         rid = new_request_id("tgi")
-        out_stream = self.client.generate(rid, text, ids, params, time.time(), p.priority, stream=stream)
+        out_stream = self.client.generate(
+            rid, text, ids, params, time.time(), p.priority, stream=stream, lora_request=lora
+        )
         return req, ids, out_stream
 
     def _token(self, tid: int, logprob: float | None, text: str | None = None) -> Token:

@@ -40,7 +40,9 @@ class GenerateParameters(BaseModel):
     truncate: int | None = Field(None, ge=1, description="Keep only the last `truncate` prompt tokens.")
     watermark: bool = Field(False, description="Green-list watermark (the deployment's key; 400 when it has none).")
     grammar: Grammar | None = Field(None, description="The output must match a JSON schema or a regex.")
-    adapter_id: str | None = Field(None, description="Refused (400): no adapters are served.")
+    adapter_id: str | None = Field(
+        None, description="A LoRA adapter served with enable_lora (404 for an unknown one); None: the base model."
+    )
     priority: int = Field(0, description="Extension: lower runs first under scheduling_policy 'priority'.")
 
 

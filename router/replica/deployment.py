@@ -154,7 +154,13 @@ class EngineReplica:
         self._jobs[rid] = job
         box.active.add(rid)
         stream = self.engine.generate_tokens(
-            rid, msg.prompt_token_ids, msg.params, msg.priority, arrival_time=job.arrival_mono, resume=msg.resume
+            rid,
+            msg.prompt_token_ids,
+            msg.params,
+            msg.priority,
+            arrival_time=job.arrival_mono,
+            resume=msg.resume,
+            lora_request=msg.lora_request,
         )
         job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, msg.batch_interval_s))
         return self.replica_id
@@ -340,6 +346,7 @@ class EngineReplica:
             "kv_usage": snap.kv_usage,
             "queued": len(self.queue.queued),
             "in_flight": self.queue.in_flight,
+            "lora_loaded": list(snap.lora_loaded),  # adapter-aware replica choice
         }
 
     def record_autoscaling_stats(self) -> dict:

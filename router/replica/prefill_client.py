@@ -77,7 +77,7 @@ class RemotePrefills:
     async def _load(self, load: KVLoadRequest) -> None:
         t0 = time.monotonic()
         try:
-            msg = PrefillKV(load.request_id, load.prompt_token_ids, load.first_block, self.layout)
+            msg = PrefillKV(load.request_id, load.prompt_token_ids, load.first_block, self.layout, load.lora_request)
             async with asyncio.timeout(self.timeout_s):
                 done: PrefillKVDone = await self.prefill.prefill_kv.remote(msg)
                 t1 = time.monotonic()
@@ -117,7 +117,11 @@ async def prefill_kv(engine: AsyncEngine, msg: PrefillKV, replica_id: str) -> Pr
     blocks = None
     # One greedy token, discarded: the decode replica samples the first token itself.
     async for out in engine.generate_tokens(
-        rid, msg.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=1), kv_export_first_block=msg.first_block
+        rid,
+        msg.prompt_token_ids,
+        SamplingParams(temperature=0.0, max_tokens=1),
+        kv_export_first_block=msg.first_block,
+        lora_request=msg.lora_request,
     ):
         if out.error:
             raise EngineDeadError(f"prefill of {msg.request_id} failed: {out.error}")

@@ -15,6 +15,9 @@ deployment:
       - cache-aware: the replica holding the longest cached prefix of the prompt, within a
         load guard (`cache_aware.py`), from the exact index of the replicas' KV events
         (`kv_index.py`); a routed request's blocks count as held there at once (pending).
+        A LoRA request's prefix is hashed under its adapter's root, and between equal hits a
+        replica holding the adapter goes first (its published `lora_loaded`, or one this
+        router sent the adapter to within ADAPTER_SENT_S).
     The first-ranked replica counts the request at once (`RoutingState.tentative`); the
     ingress confirms where it runs when `submit` answers (`RoutingState.confirmed`). Every
     decision is recorded in the routing log (predicted cached tokens; `/metrics`).
@@ -39,8 +42,12 @@ import router.replica_choice.least_loaded as least_loaded
 import router.replica_choice.routing_state as routing_state_module
 from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
 from engine.errors import EngineDeadError
+from engine.lora.request import adapter_hash_root
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
+# How long a replica counts as holding an adapter this router sent it, before its own published
+# `lora_loaded` (polled by Serve) says so or not.
+ADAPTER_SENT_S = 30.0
 
 
 class ReplicaGoneError(EngineDeadError):
@@ -72,6 +79,7 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
         self.policy, self.block_size, self.slack = policy, block_size, slack
         self.hash_root = kv_hash_root(kv_cache_dtype)  # the engines' chains start there
         self._turn = itertools.count()
+        self._adapter_sent: dict[str, dict[str, float]] = {}  # adapter name -> replica -> when sent
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata: Any = None) -> None:
         """FIFOMixin's order, except that a call pinned to another replica never takes this one
@@ -157,7 +165,12 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
         hashes = (
             []
             if no_hits
-            else prompt_hit_hashes(msg.prompt_token_ids, self.block_size, msg.params.cache_salt, root=self.hash_root)
+            else prompt_hit_hashes(
+                msg.prompt_token_ids,
+                self.block_size,
+                msg.params.cache_salt,
+                root=adapter_hash_root(self.hash_root, getattr(msg, "lora_request", None)),
+            )
         )
         index = routing_state_module.routing_state().kv_index
 
@@ -168,6 +181,20 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
         def held(r: RunningReplica) -> int:
             return index.held_blocks(r.replica_id.unique_id)
 
-        ranked, found = cache_aware.rank(candidates, self.load, cached, self.slack, held)
+        lora = getattr(msg, "lora_request", None)
+        sent = self._adapter_sent.setdefault(lora.lora_name, {}) if lora is not None else {}
+        now = time.monotonic()
+
+        def warm(r: RunningReplica) -> bool:
+            if lora is None:
+                return False
+            rid = r.replica_id.unique_id
+            return now - sent.get(rid, -ADAPTER_SENT_S) < ADAPTER_SENT_S or lora.lora_name in (
+                (r.routing_stats or {}).get("lora_loaded") or ()
+            )
+
+        ranked, found = cache_aware.rank(candidates, self.load, cached, self.slack, held, warm)
+        if lora is not None:
+            sent[ranked[0].replica_id.unique_id] = now
         predicted = {r.replica_id.unique_id: n * self.block_size for r, n in found.items()}
         return ranked, hashes, predicted

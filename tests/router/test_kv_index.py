@@ -115,3 +115,14 @@ def test_held_blocks_count_the_index_and_pending_requests():
     assert ix.held_blocks("r") == 5 and ix.held_blocks("s") == 1
     ix.end_pending("q")
     assert ix.held_blocks("r") == 3
+
+
+def test_between_equal_hits_a_replica_holding_the_adapter_wins():
+    loads = {"a": 0.0, "b": 1.0, "c": 0.0}
+    warm = {"b"}.__contains__
+    order, _ = rank(list(loads), loads.get, lambda r: 0, 4.0, lambda r: 0, warm)
+    assert order[0] == "b"  # its adapter is there: beats a less loaded replica
+    order, _ = rank(list(loads), loads.get, {"a": 2, "b": 0, "c": 0}.get, 4.0, lambda r: 0, warm)
+    assert order[0] == "a"  # a cached prefix still comes first
+    order, _ = rank(list(loads), loads.get, lambda r: 0, 0.5, lambda r: 0, warm)
+    assert order[0] != "b"  # and never past the load guard

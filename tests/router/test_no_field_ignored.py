@@ -181,8 +181,15 @@ SHOWN_BY = {
         "parameters.return_full_text": f"{RF}::test_tgi_return_full_text",
         "parameters.priority": f"{RF}::test_tgi_priority_reaches_the_engine",
         "parameters.watermark": f"{RF}::test_watermarked_outputs_over_http_are_detected",
-        "parameters.adapter_id": f"{RF}::test_tgi_refuses_what_it_cannot_do",
+        "parameters.adapter_id": "tests/router/test_lora_http.py::test_tgi_adapter_id",
         "parameters.best_of": "tests/router/test_units.py::test_tgi_sampling",
+    },
+    "LoadLoRAAdapterRequest": {
+        "lora_name": "tests/router/test_lora_http.py::test_load_and_unload_at_run_time",
+        "lora_path": "tests/router/test_lora_http.py::test_load_and_unload_at_run_time",
+    },
+    "UnloadLoRAAdapterRequest": {
+        "lora_name": "tests/router/test_lora_http.py::test_load_and_unload_at_run_time",
     },
 }
 

@@ -31,7 +31,10 @@ def test_every_route_documents_its_success_body(spec):
                 continue
             ok = op["responses"].get("200", {})
             assert ok.get("content"), (path, method)
-            for media in ok["content"].values():
+            for ctype, media in ok["content"].items():
+                if ctype == "text/plain":  # vLLM's LoRA routes answer a line of text
+                    assert media["schema"] == {"type": "string"}, (path, method)
+                    continue
                 assert _resolve(spec, media["schema"]).get("properties") or _resolve(spec, media["schema"]).get(
                     "items"
                 ), (path, method)

@@ -42,10 +42,15 @@ def test_tgi_truncate_and_typical_p(base_url):
     assert typical != plain
 
 
-@pytest.mark.parametrize("field", [{"adapter_id": "my-lora"}, {"watermark": True}])
+@pytest.mark.parametrize("field", [{"watermark": True}])
 def test_tgi_refuses_what_it_cannot_do(base_url, field):
     r = _post(base_url, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, **field}})
     assert r.status_code == 422 and next(iter(field)) in r.text, r.text  # TGI's validation status
+
+
+def test_tgi_adapter_id_without_lora_is_an_unknown_adapter(base_url):
+    r = _post(base_url, "/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "adapter_id": "my-lora"}})
+    assert r.status_code == 404 and "adapter_id" in r.json()["error"], r.text  # TGI's shape
 
 
 def test_openai_truncate_prompt_tokens(base_url):
