@@ -10,3 +10,4 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # "auto": the model's dtype
 QUANTIZATION_METHODS = ("int8", "int4", "int4:g32", "int4:g64", "int4:g128", "gguf", "gptq", "awq")  # or None
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
+KV_OFFLOAD_MEDIA = ("disk", "host")  # the offload tier: memory-mapped files, or (pinned) host memory

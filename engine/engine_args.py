@@ -51,6 +51,13 @@ class EngineArgs:
     # Disaggregated serving (engine/kv_transfer/config.py): {"role": "prefill" | "decode",
     # "local_prefill_max_tokens": n}; None: colocated (this engine prefills and decodes).
     kv_transfer_config: dict | None = None
+    # The offload tier (engine/kv_offload/): KV blocks evicted from the pool are kept here, up to
+    # this many bytes per replica (all ranks together), and loaded back on a prefix hit; 0: off.
+    kv_offload_bytes: int = 0
+    # "disk": one memory-mapped file per rank; "host": host memory (pinned on CUDA).
+    kv_offload_medium: str = "disk"
+    # Where the disk tier's files live; None: a temporary directory per engine, removed at shutdown.
+    kv_offload_dir: str | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

@@ -100,6 +100,7 @@ class RayExecutor(Executor):
             inits = [w.init_kv_cache.remote(self.num_blocks) for w in self.workers]
             self._bytes_per_block = self.rank0.init_kv_cache(self.num_blocks)
             ray.get(inits, timeout=t)
+            self.num_offload_slots = self.rank0.runner.offload_slots()  # each rank's store has these
         except BaseException:
             self.shutdown()
             raise

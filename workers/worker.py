@@ -88,6 +88,8 @@ class TPWorker(RankRunner):
         if exc is not None:
             traceback.clear_frames(exc.__traceback__)
         abort_group(self.tp)
+        if self.runner is not None:
+            self.runner.close_offload()
         set_tp_group(1, 0, None)
         self.runner = self.tp = None
         gc.collect()

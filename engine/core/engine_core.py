@@ -44,7 +44,14 @@ class EngineCore:
             table = executor.measure_step_costs(scheduler_config.max_num_seqs, spec_config.num_speculative_tokens)
             cost = StepCostModel(table) if table else None
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, executor.num_blocks, spec_config, cost, kv_transfer, draft_model
+            scheduler_config,
+            cache_config,
+            executor.num_blocks,
+            spec_config,
+            cost,
+            kv_transfer,
+            draft_model,
+            executor.num_offload_slots,
         )
         self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
@@ -75,7 +82,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         # Published before the model runs: the blocks are in the hash map once scheduled.
         self.publish_kv_events()
-        if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids:
+        if not so.needs_run:
             return StepInFlight(so, outputs=self.scheduler.update_from_output(so, _EMPTY))
         if self.step_threads is not None:
             self.step_threads.apply(so.total_num_scheduled_tokens)
