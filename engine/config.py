@@ -40,7 +40,9 @@ class CacheConfig:
         if self.kv_offload_bytes < 0:
             raise InvalidRequestError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         if self.kv_offload_medium not in KV_OFFLOAD_MEDIA:
-            raise InvalidRequestError(f"kv_offload_medium must be one of {KV_OFFLOAD_MEDIA}, got {self.kv_offload_medium!r}")
+            raise InvalidRequestError(
+                f"kv_offload_medium must be one of {KV_OFFLOAD_MEDIA}, got {self.kv_offload_medium!r}"
+            )
 
 
 @dataclass(frozen=True)

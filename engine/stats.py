@@ -42,8 +42,8 @@ class EngineStats:
     num_remote_prefills: int = 0
     num_local_prefills: int = 0
     num_remote_prefill_failures: int = 0
-    # The offload tier (engine/kv_offload/; all 0 when off). Prefix hits per tier: the pool's are
-    # prefix_cache_hits, the tier's prefix_cache_hits_offload (prompt tokens loaded, cumulative).
+    # The offload tier (engine/kv_offload/; all 0 when off). Prefix hits per tier: of the
+    # prefix_cache_hits (every tier), prefix_cache_hits_offload were loaded from the offload tier.
     # Blocks: the tier's capacity and what it holds now; cumulative: saved on eviction, loaded
     # on a hit, dropped by its LRU for newer ones, loads that failed (recomputed instead).
     prefix_cache_hits_offload: int = 0

@@ -54,21 +54,32 @@ class OffloadStore:
         if medium == "disk":
             if directory is None:
                 directory = self._tmpdir = tempfile.mkdtemp(prefix="orbital-kv-offload-")
-            os.makedirs(directory, exist_ok=True)
-            self.path = os.path.join(directory, f"rank{rank}-{uuid.uuid4().hex[:12]}.kv")
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(self._fd, 0, self.size)
-            except OSError:  # a file system without fallocate: a sparse file
-                os.ftruncate(self._fd, self.size)
-            self._ino = os.fstat(self._fd).st_ino
-            self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED)
-            self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+            self.directory, self.rank = directory, rank
+            self._open_file()
         elif medium == "host":
             self.buf = torch.zeros(self.size, dtype=torch.uint8, pin_memory=pin)
         else:
             raise ValueError(f"unknown offload medium {medium!r}")
         self.seconds_saving = self.seconds_loading = 0.0  # cumulative, for benchmarks
+
+    def _open_file(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        self.path = os.path.join(self.directory, f"rank{self.rank}-{uuid.uuid4().hex[:12]}.kv")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+        except OSError:  # a file system without fallocate: a sparse file
+            os.ftruncate(self._fd, self.size)
+        self._ino = os.fstat(self._fd).st_ino
+        self._mm = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED)
+        self.buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def renew(self) -> None:
+        """After `usable()` turned False: map a fresh, empty file (a page past a cut-short
+        file's end must never be touched: the process would get SIGBUS). Every slot reads as
+        a miss until written again."""
+        self._release()
+        self._open_file()
 
     def usable(self) -> bool:
         """False when the disk file was removed, replaced or cut short under us."""
@@ -116,8 +127,8 @@ class OffloadStore:
         dst.copy_(payload)
         return True
 
-    def close(self) -> None:
-        """Release the memory and remove the file (and the temporary directory made for it)."""
+    def _release(self) -> None:
+        """Unmap and close the file; remove it unless it was replaced by another file."""
         self.buf = torch.empty(0, dtype=torch.uint8)
         if self._mm is not None:
             try:
@@ -126,13 +137,17 @@ class OffloadStore:
                 pass
             self._mm = None
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self.path is not None:
             try:
-                os.unlink(self.path)
+                if os.stat(self.path).st_ino == self._ino:
+                    os.unlink(self.path)
             except OSError:
                 pass
+            os.close(self._fd)
+            self._fd = None
+
+    def close(self) -> None:
+        """Release the memory and remove the file (and the temporary directory made for it)."""
+        self._release()
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None

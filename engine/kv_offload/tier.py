@@ -13,7 +13,9 @@ like a remote prefill's: engine/kv_transfer/awaiting_kv.py) and waits while the 
 carries (slot, block id, hash) and every rank copies the bytes in; the runner reports the loads
 that failed on any rank. Then the loaded blocks are published in the pool's hash map and the
 request is scheduled as a prefix hit; a failed load drops the hash and its block is recomputed.
-The wait costs one step, shared with whatever else the step runs.
+The wait costs one step, shared with whatever else the step runs. Its first lookup is not
+counted (the one after the load is): prefix_cache_hits counts every hit, whatever tier it came
+from, and prefix_cache_hits_offload the part loaded from this one.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class OffloadTier:
     ) -> bool:
         """Fresh blocks for `hashes` after the `num_hit` tokens in `hit_blocks`, and their loads
         in this step. False: the pool is short, nothing changed."""
-        for h in hashes:  # before allocating: its evictions must not drop them
+        # Pinned before allocating (its evictions must not drop them); touched tail first, so
+        # the chain's head is the last the LRU drops (a block is no use without its parent).
+        for h in reversed(hashes):
             self.index.pin(h)
             self.index.touch(h)
         ids = kv.allocate_slots(req, len(hashes) * kv.block_size, hit_blocks, publish=False)
@@ -85,6 +89,7 @@ class OffloadTier:
             self._loads.append((self.index.slot(h), block_id, h))
             self._load_owner.append(req.request_id)
         req.num_computed_tokens = num_hit
+        kv.block_pool.record_prefix_query(-req.num_tokens, -num_hit)  # looked up again after the load
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -100,9 +105,10 @@ class OffloadTier:
     def loads_done(
         self, kv: KVCacheManager, loads: list[tuple[int, int, int]], owners: list[str], failed: set[int]
     ) -> list[Request]:
-        """A step's loads ran; `failed`: the indices of those that failed on some rank. Returns
-        the requests to schedule now (first), holding their blocks: loaded ones as prefix hits,
-        the rest of each from its first failed block on recomputed."""
+        """A step's loads ran; `failed`: the indices of those that failed on some rank. The
+        loaded blocks (up to each request's first failure) are published in the pool and the
+        request lets go of all its blocks: it is returned to be queued first, and its lookup then
+        hits them in the pool (holding nothing while it waits, it can never block the queue)."""
         ok_upto: dict[str, int] = {}  # request -> blocks loaded before its first failure
         for i, ((_, _, h), rid) in enumerate(zip(loads, owners)):
             self.index.unpin(h)
@@ -123,6 +129,8 @@ class OffloadTier:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
             kv.publish_blocks(req, req.num_computed_tokens)
+            kv.free(req)  # tail first: the loaded prefix is the last of them to be evicted
+            req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             back.append(req)
         return back

@@ -252,6 +252,8 @@ class ModelRunner:
     def _offload_io(self, so: SchedulerOutput) -> list[int]:
         """The step's offload saves, then loads (engine/kv_offload/rank_io.py); the indices of
         the loads that failed on any rank (every rank runs this with the same loads)."""
+        if not self.offload.usable():  # its file removed or cut short: start an empty one
+            self.offload.renew()
         if so.kv_saves:
             save_blocks(self.kv_caches, self.offload, so.kv_saves)
         if not so.kv_loads:
