@@ -23,7 +23,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-
 DEVICE = "device"  # the KV pool's medium
 
 
