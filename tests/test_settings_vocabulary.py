@@ -22,6 +22,7 @@ SETTINGS = {
     "kv_cache_dtype": (choices.KV_CACHE_DTYPES, "kv_cache_dtype", "--kv-cache-dtype"),
     "quantization": (choices.QUANTIZATION_METHODS, "quantization", "--quantization"),
     "scheduling_policy": (choices.SCHEDULING_POLICIES, "scheduling_policy", None),
+    "kv_offload_medium": (choices.KV_OFFLOAD_MEDIA, "kv_offload_medium", "--kv-offload-medium"),
 }
 
 
