@@ -175,6 +175,13 @@ class RayExecutor(Executor):
         return table
 
     def shutdown(self) -> None:
+        if self.remote is not None and self.num_offload_slots and not self._dead:
+            # Their offload files go with them; on the control thread, in case a step hangs.
+            refs = [w.close_offload.options(concurrency_group="control").remote() for w in self.workers]
+            try:
+                ray.get(refs, timeout=10)
+            except Exception as e:
+                logger.warning("a rank did not remove its offload tier file: %s", e)
         if self.remote is not None:
             self.remote.kill()  # first: a remote rank may be blocked in a collective with rank 0
             self.remote = None

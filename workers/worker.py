@@ -113,5 +113,10 @@ class TPWorker(RankRunner):
             **runner_info(self.runner, self.device),
         }
 
+    def close_offload(self) -> None:
+        """Remove this rank's offload tier file (the executor calls it before killing us)."""
+        if self.runner is not None:
+            self.runner.close_offload()
+
     def shutdown(self) -> None:
         self._leave()
