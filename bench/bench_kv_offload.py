@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SmolLM2-135M {str(dtype)[6:]}, {a.threads} threads, {a.tokens}-token prompt, pool {num_blocks} blocks")
     print(f"offload tier: {a.medium}, {st['offload_capacity_blocks']} blocks of {store.block_nbytes / 1e6:.3f} MB")
     for name, xs in ttft.items():
-        print(f"  {name:22s} TTFT median {statistics.median(xs) * 1e3:8.1f} ms   ({', '.join(f'{x * 1e3:.0f}' for x in xs)})")
+        print(
+            f"  {name:22s} TTFT median {statistics.median(xs) * 1e3:8.1f} ms   ({', '.join(f'{x * 1e3:.0f}' for x in xs)})"
+        )
     ratio = statistics.median(ttft["tier off (recompute)"]) / statistics.median(ttft["tier on"])
     print(f"  ratio (off / on): {ratio:.2f}x")
     saved, loaded = st["offload_blocks_saved"], st["offload_blocks_loaded"]
