@@ -186,3 +186,29 @@ def test_decode_role_loads_a_short_suffix_and_asks_the_prefill_pool_for_a_long_o
     sched.remote_kv_done("l", loaded=False)  # recomputed here
     run(sched)
     assert sched.stats()["blocks_used"] == 0
+
+
+def test_events_describe_the_pool_and_the_tier_apart_under_random_traffic():
+    """A reader of pool hits (apply_events' default medium) still sees exactly the pool's hash
+    map with the tier on; the tier's own events describe exactly its index."""
+    import random
+
+    from engine.core.kv_events import apply_events
+
+    rng = random.Random(1)
+    sched = make(num_blocks=12, slots=10)
+    log, pool_reader, tier_reader = KVEventLog(), set(), set()
+    prefixes = [[rng.randrange(1000) for _ in range(8)] for _ in range(4)]
+    loads = 0
+    for i in range(40):
+        sched.add_request(
+            make_req(f"r{i}", rng.choice(prefixes) + [rng.randrange(1000) for _ in range(5)], max_tokens=2)
+        )
+        loads += sum(len(so.kv_loads) for so in run(sched))
+        batch = log.publish(sched.kv_cache_manager.block_pool.events.take())
+        if batch is not None:
+            apply_events(pool_reader, batch.events)
+            apply_events(tier_reader, batch.events, "disk")
+        assert pool_reader == set(sched.kv_cache_manager.block_pool.cached_block_hash_to_block)
+        assert tier_reader == set(sched.kv_cache_manager.offload.index._lru) == log.snapshot().tiers.get("disk", set())
+    assert loads > 0 and sched.stats()["blocks_used"] == 0
