@@ -11,3 +11,4 @@ QUANTIZATION_METHODS = ("int8", "int4", "int4:g32", "int4:g64", "int4:g128", "gg
 SCHEDULING_POLICIES = ("fcfs", "priority")
 SPECULATIVE_METHODS = ("ngram", "draft", "self")
 POOLING_TYPES = ("last", "mean")  # an embedding: the last prompt token's final hidden state, or their mean
+KV_OFFLOAD_MEDIA = ("disk", "host")  # the offload tier: memory-mapped files, or (pinned) host memory

@@ -61,6 +61,19 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)
+    p.add_argument(
+        "--kv-offload-bytes",
+        type=int,
+        default=EngineArgs.kv_offload_bytes,
+        help="offload tier: evicted KV blocks kept and loaded back on a prefix hit (0: off)",
+    )
+    p.add_argument(
+        "--kv-offload-medium",
+        default=EngineArgs.kv_offload_medium,
+        choices=list(choices.KV_OFFLOAD_MEDIA),
+        help="disk: a memory-mapped file per rank; host: host memory",
+    )
+    p.add_argument("--kv-offload-dir", default=EngineArgs.kv_offload_dir, help="the disk tier's directory")
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
@@ -127,6 +140,9 @@ def main(
             tensor_parallel_size=args.tensor_parallel_size,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_offload_bytes=args.kv_offload_bytes,
+            kv_offload_medium=args.kv_offload_medium,
+            kv_offload_dir=args.kv_offload_dir,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,

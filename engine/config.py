@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.choices import SCHEDULING_POLICIES
+from engine.choices import KV_OFFLOAD_MEDIA, SCHEDULING_POLICIES
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
 from engine.layers.attention.kv_quant import check_kv_cache_dtype
@@ -22,6 +22,10 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     profile_num_tokens: int = EngineArgs.max_num_batched_tokens
     kv_cache_dtype: str = EngineArgs.kv_cache_dtype  # "auto" (the model's dtype), "int8" or "fp8_e4m3"
+    # The offload tier (engine/kv_offload/): bytes per replica (0: off), its medium and directory.
+    kv_offload_bytes: int = EngineArgs.kv_offload_bytes
+    kv_offload_medium: str = EngineArgs.kv_offload_medium
+    kv_offload_dir: str | None = EngineArgs.kv_offload_dir
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -33,6 +37,12 @@ class CacheConfig:
             raise InvalidRequestError("kv_cache_memory_bytes must be > 0")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_offload_bytes < 0:
+            raise InvalidRequestError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if self.kv_offload_medium not in KV_OFFLOAD_MEDIA:
+            raise InvalidRequestError(
+                f"kv_offload_medium must be one of {KV_OFFLOAD_MEDIA}, got {self.kv_offload_medium!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,13 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_modules: tuple[str, ...] | dict | None = None
+    # The offload tier (engine/kv_offload/): KV blocks evicted from the pool are kept here, up to
+    # this many bytes per replica (all ranks together), and loaded back on a prefix hit; 0: off.
+    kv_offload_bytes: int = 0
+    # "disk": one memory-mapped file per rank; "host": host memory (pinned on CUDA).
+    kv_offload_medium: str = "disk"
+    # Where the disk tier's files live; None: a temporary directory per engine, removed at shutdown.
+    kv_offload_dir: str | None = None
 
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV budget on CPU when kv_cache_memory_bytes is None

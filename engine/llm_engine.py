@@ -64,6 +64,9 @@ class LLMEngine:
             args.gpu_memory_utilization if on_gpu else None,
             args.max_num_batched_tokens,
             args.kv_cache_dtype,
+            args.kv_offload_bytes,
+            args.kv_offload_medium,
+            args.kv_offload_dir,
         )
         sched = SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len, args.scheduling_policy

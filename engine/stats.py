@@ -47,6 +47,18 @@ class EngineStats:
     lora_loaded: tuple[str, ...] = ()
     num_lora_loads: int = 0
     num_lora_evictions: int = 0
+    # The offload tier (engine/kv_offload/; all 0 when off). Prefix hits per tier: of the
+    # prefix_cache_hits (every tier), prefix_cache_hits_offload were loaded from the offload tier.
+    # Blocks: the tier's capacity and what it holds now; cumulative: saved on eviction, loaded
+    # on a hit, dropped by its LRU for newer ones, loads that failed (recomputed instead).
+    prefix_cache_hits_offload: int = 0
+    offload_capacity_blocks: int = 0
+    offload_blocks_held: int = 0
+    offload_blocks_saved: int = 0
+    offload_blocks_loaded: int = 0
+    offload_blocks_dropped: int = 0
+    offload_load_failures: int = 0
+    num_waiting_for_offload: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -149,6 +149,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache per replica (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
     )
     s.add_argument("--gpu-memory-utilization", type=float, default=_d("gpu_memory_utilization"))
+    s.add_argument(
+        "--kv-offload-bytes",
+        type=int,
+        default=_d("kv_offload_bytes"),
+        help="offload tier per replica: evicted KV blocks kept and loaded back on a prefix hit (0: off)",
+    )
+    s.add_argument(
+        "--kv-offload-medium",
+        default=_d("kv_offload_medium"),
+        choices=list(choices.KV_OFFLOAD_MEDIA),
+        help="disk: a memory-mapped file per rank; host: host memory (pinned on CUDA)",
+    )
+    s.add_argument("--kv-offload-dir", default=_d("kv_offload_dir"), help="the disk tier's directory")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
     s.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"))
@@ -292,6 +305,9 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         kv_transfer_failure=a.kv_transfer_failure,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,
         gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_offload_bytes=a.kv_offload_bytes,
+        kv_offload_medium=a.kv_offload_medium,
+        kv_offload_dir=a.kv_offload_dir,
         max_model_len=a.max_model_len,
         max_num_seqs=a.max_num_seqs,
         scheduling_policy=a.scheduling_policy,

@@ -92,6 +92,22 @@ class AppConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         _E.gpu_memory_utilization, gt=0, le=1, description="CUDA: share of GPU memory a replica may use."
     )
+    kv_offload_bytes: int = Field(
+        _E.kv_offload_bytes,
+        ge=0,
+        description="Offload tier per replica (all ranks together): KV blocks evicted from the pool are kept "
+        "here by hash and loaded back on a prefix hit instead of being recomputed; 0: off.",
+    )
+    kv_offload_medium: Literal[choices.KV_OFFLOAD_MEDIA] = Field(
+        _E.kv_offload_medium,
+        description="The offload tier's medium: disk (one memory-mapped file per rank) or host (host memory, "
+        "pinned on CUDA).",
+    )
+    kv_offload_dir: str | None = Field(
+        _E.kv_offload_dir,
+        description="Where the disk tier's files live (default: a temporary directory per engine, removed at "
+        "shutdown).",
+    )
     max_model_len: int | None = Field(_E.max_model_len, description="Context length (default: the model's).")
     max_num_seqs: int = Field(_E.max_num_seqs, ge=1, description="Sequences per engine step.")
     max_num_batched_tokens: int = Field(_E.max_num_batched_tokens, ge=1, description="Tokens per engine step.")
@@ -486,6 +502,9 @@ class AppConfig(BaseModel):
             "max_model_len": self.max_model_len,
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_offload_bytes": self.kv_offload_bytes,
+            "kv_offload_medium": self.kv_offload_medium,
+            "kv_offload_dir": self.kv_offload_dir,
             "tensor_parallel_size": self.tensor_parallel_size,
             "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),

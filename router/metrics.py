@@ -100,7 +100,11 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens processed.",
     "generation_tokens": "Generation tokens produced.",
     "prefix_cache_queries": "Prefix cache queries, in tokens.",
-    "prefix_cache_hits": "Prefix cache hits, in tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in tokens (every tier).",
+    "prefix_cache_hits_offload": "Prefix cache hits loaded from the offload tier (part of prefix_cache_hits), in tokens.",
+    "offload_blocks_saved": "KV blocks saved to the offload tier when evicted from the pool.",
+    "offload_blocks_loaded": "KV blocks loaded back from the offload tier on a prefix hit.",
+    "offload_load_failures": "Offload tier loads that failed (file damaged or gone): recomputed.",
     "num_preemptions": "Requests preempted by the scheduler.",
     "num_request_faults": "Requests failed alone because their engine step raised (the engine went on).",
 }

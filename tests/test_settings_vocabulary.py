@@ -23,6 +23,7 @@ SETTINGS = {
     "quantization": (choices.QUANTIZATION_METHODS, "quantization", "--quantization"),
     "scheduling_policy": (choices.SCHEDULING_POLICIES, "scheduling_policy", None),
     "pooling_type": (choices.POOLING_TYPES, "pooling_type", "--pooling-type"),
+    "kv_offload_medium": (choices.KV_OFFLOAD_MEDIA, "kv_offload_medium", "--kv-offload-medium"),
 }
 
 

@@ -68,6 +68,8 @@ class DriverRank(RankRunner):
         if exc is not None:  # its frames would keep the group (and its sockets) alive
             traceback.clear_frames(exc.__traceback__)
         abort_group(self.tp)
+        if self.runner is not None:
+            self.runner.close_offload()
         self.tp = self.runner = self._store = None
         gc.collect()
 

@@ -100,6 +100,7 @@ class RayExecutor(Executor):
             inits = [w.init_kv_cache.remote(self.num_blocks) for w in self.workers]
             self._bytes_per_block = self.rank0.init_kv_cache(self.num_blocks)
             ray.get(inits, timeout=t)
+            self.num_offload_slots = self.rank0.runner.offload_slots()  # each rank's store has these
         except BaseException:
             self.shutdown()
             raise
@@ -174,6 +175,13 @@ class RayExecutor(Executor):
         return table
 
     def shutdown(self) -> None:
+        if self.remote is not None and self.num_offload_slots and not self._dead:
+            # Their offload files go with them; on the control thread, in case a step hangs.
+            refs = [w.close_offload.options(concurrency_group="control").remote() for w in self.workers]
+            try:
+                ray.get(refs, timeout=10)
+            except Exception as e:
+                logger.warning("a rank did not remove its offload tier file: %s", e)
         if self.remote is not None:
             self.remote.kill()  # first: a remote rank may be blocked in a collective with rank 0
             self.remote = None

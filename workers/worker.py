@@ -88,6 +88,8 @@ class TPWorker(RankRunner):
         if exc is not None:
             traceback.clear_frames(exc.__traceback__)
         abort_group(self.tp)
+        if self.runner is not None:
+            self.runner.close_offload()
         set_tp_group(1, 0, None)
         self.runner = self.tp = None
         gc.collect()
@@ -110,6 +112,11 @@ class TPWorker(RankRunner):
             "rendezvous": self._rendezvous,
             **runner_info(self.runner, self.device),
         }
+
+    def close_offload(self) -> None:
+        """Remove this rank's offload tier file (the executor calls it before killing us)."""
+        if self.runner is not None:
+            self.runner.close_offload()
 
     def shutdown(self) -> None:
         self._leave()

@@ -10,7 +10,7 @@ block ids in tests equal to the order of allocation.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from engine.core.free_block_queue import FreeBlockQueue, KVCacheBlock
 from engine.core.kv_events import KVEventRecorder
@@ -35,6 +35,9 @@ class BlockPool:
         self.events = KVEventRecorder()
         # Blocks a token-granular hit may copy from (tail_hits.py); forgotten on eviction too.
         self.tails = TailIndex()
+        # Called with (block, hash) when an eviction leaves no block holding that hash, before
+        # the block is handed out: the offload tier keeps its bytes (engine/kv_offload/tier.py).
+        self.on_evict: Callable[[KVCacheBlock, int], None] | None = None
 
     # --- allocation -------------------------------------------------------------------------
 
@@ -46,8 +49,11 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             assert block.ref_cnt == 0, block
+            block_hash = block.block_hash
             if self._unhash(block):
                 self.num_evictions += 1
+                if self.on_evict is not None and block_hash not in self.cached_block_hash_to_block:
+                    self.on_evict(block, block_hash)
             block.ref_cnt = 1
             out.append(block)
         return out

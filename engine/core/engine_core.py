@@ -54,6 +54,7 @@ class EngineCore:
             kv_transfer,
             draft_model,
             lora_config,
+            executor.num_offload_slots,
         )
         self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
@@ -84,7 +85,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         # Published before the model runs: the blocks are in the hash map once scheduled.
         self.publish_kv_events()
-        if so.is_empty and not so.finished_request_ids and not so.preempted_request_ids and not so.has_lora_changes:
+        if not so.needs_run:
             return StepInFlight(so, outputs=self.scheduler.update_from_output(so, _EMPTY))
         if self.step_threads is not None:
             self.step_threads.apply(so.total_num_scheduled_tokens)

@@ -22,6 +22,7 @@ from engine.core.block_pool import BlockPool
 from engine.core.free_block_queue import KVCacheBlock
 from engine.core.tail_hits import TailHit, tail_key
 from engine.lora.request import adapter_hash_root
+from engine.kv_offload.tier import OffloadTier
 from engine.request import Request
 
 
@@ -31,7 +32,13 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(
-        self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto"
+        self,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        offload_slots: int = 0,
+        offload_medium: str = "disk",
     ) -> None:
         self.block_size = block_size
         self.hash_root = kv_hash_root(kv_cache_dtype)  # the KV dtype salts every chain
@@ -39,6 +46,11 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Hashing stays on in the pool: salted siblings share even with prefix caching off.
         self.block_pool = BlockPool(num_blocks)
+        # The offload tier (engine/kv_offload/): evicted blocks kept by hash; None: off.
+        self.offload: OffloadTier | None = None
+        if offload_slots > 0:
+            self.offload = OffloadTier(offload_slots, self.block_pool.events, offload_medium)
+            self.block_pool.on_evict = self.offload.evicted
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already published in the hash map.
         self.num_cached_block: dict[str, int] = {}
@@ -76,6 +88,14 @@ class KVCacheManager:
         num_computed = len(blocks) * self.block_size
         self.block_pool.record_prefix_query(request.num_tokens, num_computed)
         return blocks, num_computed
+
+    def offload_hits(self, request: Request, num_hit_blocks: int) -> list[int]:
+        """After `num_hit_blocks` pool hits: the hashes that continue the chain in the offload
+        tier (none when the tier is off or the request may not hit)."""
+        if self.offload is None or not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
+            return []
+        max_blocks = max_hit_blocks(request.num_tokens, self.block_size)
+        return self.offload.hits(request.block_hashes[num_hit_blocks:max_blocks])
 
     def find_tail(self, request: Request, num_hit_blocks: int) -> TailHit | None:
         """After `num_hit_blocks` full-block hits: a cached block whose leading tokens continue
@@ -234,6 +254,8 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()
+        if self.offload is not None:
+            self.offload.clear()
         # Published blocks lost their hashes; do not re-publish them for running requests.
 
     # --- stats ------------------------------------------------------------------------------
@@ -264,6 +286,7 @@ class KVCacheManager:
             "prefix_hit_rate": pool.prefix_hit_rate,
             "num_evictions": pool.num_evictions,
             "kv_waste": self.kv_waste(running),
+            **(self.offload.stats() if self.offload is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -275,3 +298,5 @@ class KVCacheManager:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.block_pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"ref count {b} != holders"
+        if self.offload is not None:
+            self.offload.index.check()

@@ -53,13 +53,23 @@ class Scheduler:
         kv_transfer: KVTransferConfig | None = None,
         draft_model: DraftModelProposer | None = None,
         lora_config: LoRAConfig | None = None,
+        offload_slots: int = 0,
     ) -> None:
+        """`offload_slots`: blocks the offload tier holds (0: off; executor.num_offload_slots)."""
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            cache_config.block_size, num_blocks, cache_config.enable_prefix_caching, cache_config.kv_cache_dtype
+            cache_config.block_size,
+            num_blocks,
+            cache_config.enable_prefix_caching,
+            cache_config.kv_cache_dtype,
+            offload_slots,
+            cache_config.kv_offload_medium,
         )
+        # The offload tier's loads and the requests waiting for them (None: off).
+        self.offload = self.kv_cache_manager.offload
+        self._offload_in_flight: tuple[list, list[str]] = ([], [])  # the last step's loads, their requests
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; the last one is preempted first
@@ -127,8 +137,11 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
-            elif self.remote is not None:
-                self.remote.forget(rid)
+            else:
+                if self.remote is not None:
+                    self.remote.forget(rid)
+                if self.offload is not None:
+                    self.offload.forget(rid)
             req.status = status
             self._free_request(req)
 
@@ -165,7 +178,9 @@ class Scheduler:
 
     @property
     def num_waiting_for_remote_kv(self) -> int:
-        return len(self.remote.waiting) if self.remote is not None else 0
+        """Requests holding blocks while their KV arrives: from a prefill engine or the offload tier."""
+        remote = len(self.remote.waiting) if self.remote is not None else 0
+        return remote + (len(self.offload.waiting) if self.offload is not None else 0)
 
     # --- schedule ---------------------------------------------------------------------------
 
@@ -298,13 +313,20 @@ class Scheduler:
                     hit_blocks, num_hit = [], 0
                 else:
                     hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
-                    remote = self.remote.remote_tokens(req, num_hit) if self.remote is not None else 0
-                    if remote:
-                        if self.lora is not None:
-                            self.lora.release(req.request_id)  # pinned again once its KV is here
+                    offloaded = self.kv_cache_manager.offload_hits(req, len(hit_blocks))
+                    num_offloaded = len(offloaded) * self.block_size
+                    remote = self.remote.remote_tokens(req, num_hit + num_offloaded) if self.remote is not None else 0
+                    if (remote or offloaded) and self.lora is not None:
+                        self.lora.release(req.request_id)  # pinned again once its KV is here
+                    if remote:  # the prefill engine computes all past the pool's hits
                         if not self.remote.hold(req, hit_blocks, num_hit, remote):
                             break
                         self.waiting.popleft()  # waits in self.remote until its KV arrives
+                        continue
+                    if offloaded:
+                        if not self.offload.hold(self.kv_cache_manager, req, hit_blocks, num_hit, offloaded):
+                            break
+                        self.waiting.popleft()  # waits in self.offload for this step's loads
                         continue
                     tail = self.kv_cache_manager.find_tail(req, len(hit_blocks))
                     num_hit += tail.num_tokens if tail is not None else 0
@@ -355,6 +377,9 @@ class Scheduler:
         out.kv_copies = self.kv_cache_manager.take_copies()
         if self.lora is not None:
             out.lora_loads, out.lora_evictions = self.lora.take_changes()
+        if self.offload is not None:
+            out.kv_saves, out.kv_loads, owners = self.offload.take_ops()
+            self._offload_in_flight = (out.kv_loads, owners)
         out.preempted_request_ids = {r.request_id for r in preempted} | self._fault_preempted
         self._fault_preempted = set()
         out.finished_request_ids = self.finished_req_ids
@@ -377,6 +402,7 @@ class Scheduler:
         the culprit or quarantine the suspects. Returns the outputs to hand out (the culprit's
         error), or None when the fault is the step's own (the caller re-raises)."""
         self.kv_cache_manager.release_copy_sources()
+        self._offload_loads_done(set(range(len(so.kv_loads))))  # none is trusted: recomputed
         scheduled = [rid for rid in so.num_scheduled_tokens if rid in self.requests]
         new_ids = [r.request_id for r in so.new_requests if r.request_id in self.requests]
         culprit, suspects = self.faults.suspects(new_ids, scheduled)
@@ -411,6 +437,18 @@ class Scheduler:
         )
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
+
+    # --- the offload tier (engine/kv_offload/) ---------------------------------------------
+
+    def _offload_loads_done(self, failed: set[int]) -> None:
+        """The last step's loads ran (`failed`: indices of those that did not): their requests
+        go back to the head of the queue holding their blocks."""
+        loads, owners = self._offload_in_flight
+        if not loads:
+            return
+        self._offload_in_flight = ([], [])
+        for req in reversed(self.offload.loads_done(self.kv_cache_manager, loads, owners, failed)):
+            self.waiting.appendleft(req)
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
 
@@ -452,6 +490,7 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         self.kv_cache_manager.release_copy_sources()
         mro = model_runner_output
+        self._offload_loads_done(set(mro.kv_load_failed))
         self.faults.step_ok(scheduler_output.num_scheduled_tokens)
         index = {rid: i for i, rid in enumerate(mro.request_ids)}
         for rid in scheduler_output.num_scheduled_tokens:
@@ -589,6 +628,7 @@ class Scheduler:
             lora_loaded=tuple(self.lora.loaded()) if self.lora else (),
             num_lora_loads=self.lora.num_loads if self.lora else 0,
             num_lora_evictions=self.lora.num_evictions if self.lora else 0,
+            **(self.offload.stats() if self.offload is not None else {}),
         )
 
     def stats(self) -> dict:
@@ -606,5 +646,7 @@ class Scheduler:
         }
         if self.remote is not None:
             holders |= set(self.remote.waiting)
+        if self.offload is not None:
+            holders |= set(self.offload.waiting)
         assert set(self.kv_cache_manager.req_to_blocks) <= holders
         assert len(self.running) <= self.config.max_num_seqs

@@ -52,6 +52,10 @@ class SchedulerOutput:
     # Token-granular prefix hits (engine/core/tail_hits.py): (src block, dst block, n) copies
     # KV slots [0, n) of src into dst, every layer, before this step's forward.
     kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # The offload tier (engine/kv_offload/), before the tail copies: (block id, slot, hash)
+    # blocks evicted this step, copied out first; then (slot, block id, hash) tier hits copied in.
+    kv_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int, int]] = field(default_factory=list)
     # Structured outputs: request id -> [1 + drafts, ceil(V/32)] int32 bitmasks of the tokens
     # its sampled positions may take (engine/structured/matcher.py).
     grammar_bitmasks: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -68,6 +72,18 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
 
+    @property
+    def needs_run(self) -> bool:
+        """The runner has something to do (model work, state to forget, blocks to move)."""
+        return bool(
+            self.total_num_scheduled_tokens
+            or self.finished_request_ids
+            or self.preempted_request_ids
+            or self.kv_saves
+            or self.kv_loads
+            or self.has_lora_changes
+        )
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -82,3 +98,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprob | None]] = field(default_factory=dict)
     # Embedding requests whose prompt ended this step: request id -> pooled, normalised vector.
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # Indices into SchedulerOutput.kv_loads of the loads that failed on some rank (recomputed).
+    kv_load_failed: list[int] = field(default_factory=list)

@@ -21,6 +21,7 @@ from engine.model_config import ModelConfig
 
 class Executor(abc.ABC):
     num_blocks: int
+    num_offload_slots: int = 0  # blocks the offload tier holds (engine/kv_offload/); 0: off
 
     @abc.abstractmethod
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -74,6 +75,7 @@ class InProcessExecutor(Executor):
         self.runner.load_model()
         self.num_blocks = self.runner.num_blocks_for_budget()
         self.runner.init_kv_cache(self.num_blocks)
+        self.num_offload_slots = self.runner.offload_slots()
         self.runner.capture_cuda_graphs()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -84,6 +86,9 @@ class InProcessExecutor(Executor):
 
     def kv_bytes_per_block(self) -> int:
         return self.runner.bytes_per_block()
+
+    def shutdown(self) -> None:
+        self.runner.close_offload()
 
     def kv_layout(self) -> KVLayout:
         return self.runner.kv_layout()

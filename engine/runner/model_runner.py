@@ -14,7 +14,9 @@ import torch
 
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.distributed import get_tp_group, tp_max
+from engine.distributed import get_tp_group, tp_all_reduce, tp_max
+from engine.kv_offload.rank_io import load_blocks, save_blocks
+from engine.kv_offload.store import OffloadStore
 from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
 from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
@@ -77,6 +79,7 @@ class ModelRunner:
         self.lora = None  # ModelLoRA (engine/lora/model_lora.py) when the model config turns LoRA on
         self.kv_caches: list[torch.Tensor] = []
         self._kv_buffer = None  # owns the CPU cache's memory
+        self.offload: OffloadStore | None = None  # this rank's offload tier (engine/kv_offload/)
         if self.device.type == "cpu":
             keep_step_memory()  # step activations reuse heap memory instead of fresh page faults
 
@@ -234,6 +237,39 @@ class ModelRunner:
         )
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
+        if self.offload is None and self.offload_slots() > 0:
+            self.offload = OffloadStore(
+                self.offload_slots(),
+                self.bytes_per_block(),
+                self.cc.kv_offload_medium,
+                self.cc.kv_offload_dir,
+                self.tp.rank,
+                pin=self.device.type == "cuda",
+            )
+
+    def offload_slots(self) -> int:
+        """Blocks the offload tier holds: its byte budget is the replica's, over all ranks."""
+        return self.cc.kv_offload_bytes // (self.bytes_per_block() * self.tp.size)
+
+    def close_offload(self) -> None:
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
+
+    def _offload_io(self, so: SchedulerOutput) -> list[int]:
+        """The step's offload saves, then loads (engine/kv_offload/rank_io.py); the indices of
+        the loads that failed on any rank (every rank runs this with the same loads)."""
+        if not self.offload.usable():  # its file removed or cut short: start an empty one
+            self.offload.renew()
+        if so.kv_saves:
+            save_blocks(self.kv_caches, self.offload, so.kv_saves)
+        if not so.kv_loads:
+            return []
+        failed = load_blocks(self.kv_caches, self.offload, so.kv_loads)
+        if self.tp.size > 1:
+            flags = tp_all_reduce(torch.tensor(failed, dtype=torch.int32, device=self.device))
+            failed = (flags > 0).tolist()
+        return [i for i, f in enumerate(failed) if f]
 
     def capture_cuda_graphs(self) -> None:
         """After init_kv_cache. Only the Triton paged kernel reads fixed-shape metadata; tp > 1
@@ -260,13 +296,14 @@ class ModelRunner:
         sampling are queued without waiting, so the host can do other work (the last step's
         text) while the GPU runs; the returned call waits for the sampled ids. Call it before
         launching the next step: that step reads the tokens it records."""
+        load_failed = self._offload_io(so) if so.kv_saves or so.kv_loads else []
         if so.kv_copies:  # tail hits: before any of this step's KV writes
             copy_slots(self.kv_caches, so.kv_copies)
         self.states.apply(so)
         if self.lora is not None and so.has_lora_changes:
             self.lora.apply(so)
         if so.is_empty:
-            return functools.partial(ModelRunnerOutput) if self.tp.rank == 0 else _none
+            return functools.partial(ModelRunnerOutput, kv_load_failed=load_failed) if self.tp.rank == 0 else _none
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
         counts = [so.num_scheduled_tokens[r] for r in rids]
@@ -314,7 +351,7 @@ class ModelRunner:
             return _none
         sts = [by_id[batch.request_ids[k]] for k in sample_idx]
         res = self._sample_positions(sts, logits[:num_sample_rows], so.grammar_bitmasks) if num_sample_rows else None
-        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp, pooled)
+        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp, pooled, load_failed)
 
     def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmasks: dict):
         """One sampler row per scored position: a request's position j (after j drafts) sees
@@ -366,11 +403,17 @@ class ModelRunner:
         return got
 
     def _sampled_output(
-        self, batch, sts: list[RunnerRequestState], res: SamplerOutput | None, prompt_lp, pooled: dict
+        self,
+        batch,
+        sts: list[RunnerRequestState],
+        res: SamplerOutput | None,
+        prompt_lp,
+        pooled: dict,
+        load_failed: list[int],
     ) -> ModelRunnerOutput:
         """The step's output once its sampled ids (and embeddings) are on the host (the one
         wait of a step)."""
-        out = ModelRunnerOutput()
+        out = ModelRunnerOutput(kv_load_failed=load_failed)
         out.embeddings = {r: v.tolist() for r, v in pooled.items()}
         if res is not None:
             tokens = res.sampled_token_ids.tolist()

@@ -111,7 +111,10 @@ def build_draft_proposer(
     # The target's model is shareable when it runs whole in this process (tp=1).
     shared = executor.runner.model if isinstance(executor, InProcessExecutor) else None
     mc, model = build_draft(spec, target, device, shared)
-    draft_cache = dataclasses.replace(cache, num_blocks=spec.draft_num_blocks or executor.num_blocks)
+    # The draft's own pool has no prefix cache, so no offload tier either.
+    draft_cache = dataclasses.replace(
+        cache, num_blocks=spec.draft_num_blocks or executor.num_blocks, kv_offload_bytes=0
+    )
     draft_runner = ModelRunner(mc, draft_cache, device)
     draft_runner.load_model(model)
     return DraftModelProposer(

@@ -1,0 +1,87 @@
+"""TTFT of a prompt that comes back after its KV blocks were evicted: the offload tier (its blocks
+loaded back from disk) against recompute (tier off), side by side in one run.
+
+    python -m bench.bench_kv_offload [--tokens 1000 --rounds 3 --medium disk]
+
+Two engines on the embedded SmolLM2-135M, each with a KV pool just larger than one prompt. Per
+round and engine: a fresh prompt of `--tokens` random token ids (1 output token), then another
+prompt of the same length (the pool turns over: all but a block or two of the first prompt's
+blocks are evicted, into the tier when it is on), then the first prompt again, timed: its wall time with one output token is
+its TTFT. Medians over the rounds, the engines alternating; the ratio is off over on. The tier's
+own cost is printed too: the seconds its ranks spent saving and loading, per block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--medium", default="disk", choices=["disk", "host"])
+    p.add_argument("--offload-bytes", type=int, default=512 << 20)
+    a = p.parse_args(argv)
+    from engine import LLM, SamplingParams
+
+    block = 16
+    num_blocks = a.tokens // block + 2  # one prompt (and a little): the next one evicts it
+    common = dict(dtype=a.dtype, num_threads=a.threads, block_size=block, num_blocks=num_blocks)
+    engines = {
+        "tier on": LLM(kv_offload_bytes=a.offload_bytes, kv_offload_medium=a.medium, **common),
+        "tier off (recompute)": LLM(**common),
+    }
+    params = SamplingParams(temperature=0, max_tokens=1)
+    rng = random.Random(0)
+
+    def prompt() -> dict:
+        return {"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(a.tokens)]}
+
+    def run(llm, x) -> list[int]:
+        return llm.generate(x, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    ttft: dict[str, list[float]] = {k: [] for k in engines}
+    for _ in range(a.rounds):
+        target, others = prompt(), [prompt()]
+        firsts = {}
+        for name, llm in engines.items():
+            firsts[name] = run(llm, target)
+            for o in others:
+                run(llm, o)
+            t = time.perf_counter()
+            again = run(llm, target)
+            ttft[name].append(time.perf_counter() - t)
+            assert again == firsts[name], (name, again, firsts[name])
+            print(f"  round {len(ttft[name])}: {name}: {ttft[name][-1] * 1e3:.0f} ms", flush=True)
+    on = engines["tier on"]
+    st = on.stats()
+    store = on.engine.core.executor.runner.offload
+    dtype = on.engine.model_config.dtype
+    print(f"SmolLM2-135M {str(dtype)[6:]}, {a.threads} threads, {a.tokens}-token prompt, pool {num_blocks} blocks")
+    print(f"offload tier: {a.medium}, {st['offload_capacity_blocks']} blocks of {store.block_nbytes / 1e6:.3f} MB")
+    for name, xs in ttft.items():
+        print(
+            f"  {name:22s} TTFT median {statistics.median(xs) * 1e3:8.1f} ms   ({', '.join(f'{x * 1e3:.0f}' for x in xs)})"
+        )
+    ratio = statistics.median(ttft["tier off (recompute)"]) / statistics.median(ttft["tier on"])
+    print(f"  ratio (off / on): {ratio:.2f}x")
+    saved, loaded = st["offload_blocks_saved"], st["offload_blocks_loaded"]
+    print(
+        f"  tier: {saved} blocks saved, {store.seconds_saving / max(saved, 1) * 1e3:.2f} ms/block; "
+        f"{loaded} loaded, {store.seconds_loading / max(loaded, 1) * 1e3:.2f} ms/block; "
+        f"hits {st['prefix_cache_hits_offload']} tokens, failures {st['offload_load_failures']}"
+    )
+    for llm in engines.values():
+        llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
