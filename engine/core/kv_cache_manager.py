@@ -21,8 +21,8 @@ from engine.core.block_hash import kv_hash_root, max_hit_blocks, update_block_ha
 from engine.core.block_pool import BlockPool
 from engine.core.free_block_queue import KVCacheBlock
 from engine.core.tail_hits import TailHit, tail_key
-from engine.lora.request import adapter_hash_root
 from engine.kv_offload.tier import OffloadTier
+from engine.lora.request import adapter_hash_root
 from engine.request import Request
 
 
