@@ -92,7 +92,7 @@ class KVCacheManager:
     def offload_hits(self, request: Request, num_hit_blocks: int) -> list[int]:
         """After `num_hit_blocks` pool hits: the hashes that continue the chain in the offload
         tier (none when the tier is off or the request may not hit)."""
-        if self.offload is None or not self.can_share(request) or request.sampling_params.prompt_logprobs is not None:
+        if self.offload is None or not self.can_share(request) or request.sampling_params.needs_every_prompt_position:
             return []
         max_blocks = max_hit_blocks(request.num_tokens, self.block_size)
         return self.offload.hits(request.block_hashes[num_hit_blocks:max_blocks])

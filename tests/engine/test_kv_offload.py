@@ -166,3 +166,26 @@ def test_preemption_chunks_prompt_logprobs_and_spec_decode_with_the_tier(tiny_di
     finally:
         on.engine.shutdown()
         off.engine.shutdown()
+
+
+def test_embeddings_with_the_tier(tiny_dir):
+    """A `last`-pooled embedding takes the tier's blocks and returns, bit for bit, what a pool hit
+    returns (the same KV bytes); a `mean`-pooled one reads every prompt position's hidden state,
+    so it takes no tier hit and returns what it returned the first time."""
+    llm = make_llm(tiny_dir)
+    try:
+        mean = llm.embed([{"prompt_token_ids": A}], pooling="mean")[0].embedding
+        llm.embed([{"prompt_token_ids": A}], pooling="last")
+        pool_hit = llm.embed([{"prompt_token_ids": A}], pooling="last")[0]
+        assert pool_hit.num_cached_tokens == 28
+        evict(llm)
+        loaded = llm.engine.stats()["offload_blocks_loaded"]
+        assert llm.embed([{"prompt_token_ids": A}], pooling="mean")[0].embedding == mean
+        assert llm.engine.stats()["offload_blocks_loaded"] == loaded  # mean: no tier hit
+        evict(llm)
+        tier_hit = llm.embed([{"prompt_token_ids": A}], pooling="last")[0]
+        assert llm.engine.stats()["offload_blocks_loaded"] > loaded
+        assert tier_hit.embedding == pool_hit.embedding
+        check_pool(llm)
+    finally:
+        llm.engine.shutdown()
