@@ -25,13 +25,14 @@ DEFAULT_SLACK = 4.0
 def rank(
     candidates: Sequence[R],
     load: Callable[[R], float],
-    cached: Callable[[R], int],
+    cached: Callable[[R], float],
     slack: float = DEFAULT_SLACK,
     held: Callable[[R], int] = lambda r: 0,
     warm: Callable[[R], bool] = lambda r: False,
-) -> tuple[list[R], dict[R, int]]:
-    """Candidates best first, and the cached blocks seen for each. `held`: all blocks a replica
-    holds or is about to (the tie-break after load); `warm`: it holds the request's adapter."""
+) -> tuple[list[R], dict[R, float]]:
+    """Candidates best first, and the cached blocks seen for each (a block in an offload tier
+    counts as part of one: request_router.TIER_WORTH). `held`: all blocks a replica holds or is
+    about to (the tie-break after load); `warm`: it holds the request's adapter."""
     loads = {r: load(r) for r in candidates}
     hits = {r: cached(r) for r in candidates}
     sizes = {r: held(r) for r in candidates}

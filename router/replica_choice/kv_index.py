@@ -9,6 +9,10 @@ engine restarted) asks the feed for a snapshot (`needs_snapshot`).
 
 Requests routed here but not yet seen in the events count as provisional holders of their
 blocks (`pending`), so a burst with one prefix does not scatter before the first event returns.
+
+Blocks a replica keeps in its offload tier (events of medium "disk" or "host",
+engine/kv_offload/) are indexed apart: such a block is a load away from a hit, which the
+cache-aware choice weighs below a block in the pool (`tier_blocks`).
 """
 
 from __future__ import annotations
@@ -16,23 +20,25 @@ from __future__ import annotations
 import threading
 from typing import Iterable, Sequence
 
-from engine.core.kv_events import KVEventBatch, KVSnapshot, apply_events
+from engine.core.kv_events import DEVICE, KVEventBatch, KVSnapshot, apply_events, media
 
 MAX_EARLY = 256  # batches held while waiting for a missing one; past it, resync from a snapshot
 
 
 class ReplicaBlocks:
-    __slots__ = ("epoch", "seq", "hashes", "early", "needs_snapshot")
+    __slots__ = ("epoch", "seq", "hashes", "tiers", "early", "needs_snapshot")
 
     def __init__(self) -> None:
         self.epoch: str | None = None
         self.seq = 0
-        self.hashes: set[int] = set()
+        self.hashes: set[int] = set()  # in the KV pool
+        self.tiers: dict[str, set[int]] = {}  # offload medium -> hashes held there
         self.early: dict[int, KVEventBatch] = {}
         self.needs_snapshot = True  # nothing known yet
 
     def reset(self, snap: KVSnapshot) -> None:
         self.epoch, self.seq, self.hashes = snap.epoch, snap.seq, set(snap.hashes)
+        self.tiers = {m: set(h) for m, h in snap.tiers.items()}
         self.early = {s: b for s, b in self.early.items() if b.epoch == snap.epoch and s > snap.seq}
         self.needs_snapshot = False
         self._drain()
@@ -55,6 +61,8 @@ class ReplicaBlocks:
                 self.early[b.seq] = b
                 return
             apply_events(self.hashes, b.events)
+            for m in (media(b.events) - {DEVICE}) | self.tiers.keys():
+                apply_events(self.tiers.setdefault(m, set()), b.events, m)
             self.seq = b.seq
 
 
@@ -101,6 +109,20 @@ class KVIndex:
             n = 0
             for h in hashes:
                 if h not in held:
+                    break
+                n += 1
+            return n
+
+    def tier_blocks(self, replica: str, hashes: Sequence[int], start: int) -> int:
+        """Blocks of `hashes` from `start` on (past the pool's hits) that the replica's offload
+        tier holds, in a row."""
+        with self._lock:
+            rb = self.replicas.get(replica)
+            if rb is None or not rb.tiers:
+                return 0
+            n = 0
+            for h in hashes[start:]:
+                if not any(h in held for held in rb.tiers.values()):
                     break
                 n += 1
             return n

@@ -126,3 +126,39 @@ def test_between_equal_hits_a_replica_holding_the_adapter_wins():
     assert order[0] == "a"  # a cached prefix still comes first
     order, _ = rank(list(loads), loads.get, lambda r: 0, 0.5, lambda r: 0, warm)
     assert order[0] != "b"  # and never past the load guard
+
+
+def test_offload_tier_blocks_are_indexed_apart_from_the_pool():
+    """Events of medium "disk" fill the tier's index, not the pool's; a block moves pool -> tier
+    on eviction and back on a load; a snapshot carries both; a reset of the prefix cache clears
+    every medium."""
+    log = KVEventLog()
+    ix = KVIndex()
+    ix.reset("r", log.snapshot())
+    evict = (BlocksRemoved((1, 2)), BlocksStored((1, 2), "disk"))
+    ix.apply("r", [log.publish((BlocksStored((1, 2, 3)),)), log.publish(evict)])
+    assert ix.cached_blocks("r", [1, 2, 3]) == 0 and ix.cached_blocks("r", [3]) == 1
+    assert ix.tier_blocks("r", [1, 2, 3], 0) == 2 and ix.tier_blocks("r", [1, 2, 3], 1) == 1
+    load = (BlocksRemoved((1,), "disk"), BlocksStored((1,)))
+    ix.apply("r", [log.publish(load)])
+    assert ix.cached_blocks("r", [1, 2]) == 1 and ix.tier_blocks("r", [1, 2], 1) == 1
+    other = KVIndex()
+    other.reset("r", log.snapshot())  # a router that joins later: the same picture
+    assert other.replicas["r"].hashes == ix.replicas["r"].hashes == {1, 3}
+    assert other.replicas["r"].tiers == ix.replicas["r"].tiers == {"disk": {2}}
+    from engine.core.kv_events import AllBlocksCleared
+
+    ix.apply("r", [log.publish((AllBlocksCleared(),))])
+    assert ix.replicas["r"].hashes == set() and ix.replicas["r"].tiers == {"disk": set()}
+
+
+def test_a_longer_tier_hit_beats_a_shorter_pool_hit_and_not_an_equal_one():
+    from router.replica_choice.request_router import TIER_WORTH
+
+    pool = {"a": 2, "b": 0, "c": 4}
+    tier = {"a": 0, "b": 4, "c": 0}
+    worth = {r: pool[r] + TIER_WORTH * tier[r] for r in pool}
+    ranked, _ = rank(["a", "b"], lambda r: 0, worth.get)
+    assert ranked[0] == "b"  # 4 blocks a load away beat 2 in the pool
+    ranked, _ = rank(["b", "c"], lambda r: 0, worth.get)
+    assert ranked[0] == "c"  # the same length in the pool wins
