@@ -50,15 +50,18 @@ def _log_user(rid: str, user: str | None) -> None:
         serve_log.info("request %s is for user %r", rid, user)
 
 
-def _usage(prompt_tokens: int, outs: list[RequestOutput], cached: bool = True) -> dict:
+def _usage(prompt_tokens: int, outs: list[RequestOutput], cached: bool = True, reasoning: int | None = None) -> dict:
+    """`reasoning`: the output tokens a reasoning parser counted as reasoning (None: no parser)."""
     completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    usage = {
+    usage: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
     }
     if cached:  # prefix-cache hits, as OpenAI reports them (the engine's count at first schedule)
         usage["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outs)}
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return usage
 
 
@@ -318,8 +321,13 @@ class OpenAIServing:
             "created": int(arrival),
             "model": name,
             "choices": choices,
-            "usage": _usage(len(ids), [out], self.report_cached_tokens),
+            "usage": _usage(len(ids), [out], self.report_cached_tokens, self._reasoning_tokens(reasoning, out)),
         }
+
+    def _reasoning_tokens(self, reasoning: ReasoningParser | None, out: RequestOutput) -> int | None:
+        if reasoning is None:
+            return None
+        return sum(reasoning.reasoning_tokens(c.token_ids, self.client.token_text) for c in out.outputs)
 
     def _reasoning(self, req: ChatCompletionRequest, params: SamplingParams) -> ReasoningParser | None:
         """The request's reasoning parser (None: none configured). A grammar would hold the
@@ -419,11 +427,13 @@ class OpenAIServing:
                 )
             if choices:
                 if req.stream_options and req.stream_options.continuous_usage_stats:
-                    yield {**chunk(choices), "usage": _usage(num_prompt, [out], self.report_cached_tokens)}
+                    usage = _usage(num_prompt, [out], self.report_cached_tokens, self._reasoning_tokens(reasoning, out))
+                    yield {**chunk(choices), "usage": usage}
                 else:
                     yield chunk(choices)
         if req.stream_options and req.stream_options.include_usage and last is not None:
-            yield {**chunk([]), "usage": _usage(num_prompt, [last], self.report_cached_tokens)}
+            usage = _usage(num_prompt, [last], self.report_cached_tokens, self._reasoning_tokens(reasoning, last))
+            yield {**chunk([]), "usage": usage}
 
 
 async def _closing(stream: AsyncIterator) -> AsyncIterator:

@@ -17,6 +17,8 @@ tail that may be the start of a tag, and its deltas add up to `split`'s two part
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 START, END = "<think>", "</think>"
 
 
@@ -56,6 +58,19 @@ class ReasoningParser:
             return None, text
         reasoning, content = _split(text, final=True)
         return reasoning or None, content or None
+
+    def reasoning_tokens(self, token_ids: Sequence[int], token_text: Callable[[int], str]) -> int:
+        """The output's tokens up to and including the one that completes `</think>` (all of them
+        while the block is open; none with reasoning off): usage's `reasoning_tokens`."""
+        if not self.thinking:
+            return 0
+        text = ""
+        for k, t in enumerate(token_ids):
+            piece = token_text(t)
+            text = text[-len(END) :] + piece  # a tag may straddle tokens
+            if END in text:
+                return k + 1
+        return len(token_ids)
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)

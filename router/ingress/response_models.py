@@ -22,11 +22,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(..., description="Prompt tokens served from the prefix cache.")
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(
+        ..., description="Output tokens up to the end of the reasoning block (a pool with a reasoning_parser)."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # --- /v1/completions --------------------------------------------------------------------------

@@ -109,13 +109,21 @@ def _usage(chat_usage: dict | None) -> dict | None:
     if chat_usage is None:
         return None
     cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": chat_usage["total_tokens"],
     }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """A pool's reasoning parser's `reasoning_content` as a reasoning item (its text whole, as
+    open models' reasoning is; no summary, nothing encrypted)."""
+    content = [{"type": "reasoning_text", "text": text}] if text else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict:
@@ -246,6 +254,8 @@ class ResponsesAPI:
         calls = message.get("tool_calls") or []
         status = "incomplete" if finish == "length" else "completed"
         response = self._response(req, rid, created, result["model"])
+        if message.get("reasoning_content"):
+            response["output"].append(_reasoning_item(f"rs_{rid[5:]}", message["reasoning_content"], status))
         if message.get("content") or not calls:
             response["output"].append(_message_item(f"msg_{rid[5:]}", message.get("content") or "", status))
         response["output"] += [_call_item(c) for c in calls]
@@ -269,30 +279,70 @@ class ResponsesAPI:
         response = self._response(req, rid, created, first["model"])
         yield event("response.created", response=dict(response))
         yield event("response.in_progress", response=dict(response))
-        msg_id, text, opened = f"msg_{rid[5:]}", "", False
+        msg_id, rs_id = f"msg_{rid[5:]}", f"rs_{rid[5:]}"
+        text, thought, opened = "", "", False
         calls: list[dict] = []
+        output: list[dict] = []  # items done, in order
         finish, usage = None, None
-        where = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+        where: dict = {}  # the message item's place, once it opens
+        rs_where: dict = {}  # the reasoning item's, while it is open
+
+        def open_message() -> list[dict]:
+            where.update(item_id=msg_id, output_index=len(output), content_index=0)
+            return [
+                event(
+                    "response.output_item.added",
+                    output_index=where["output_index"],
+                    item={**_message_item(msg_id, "", "in_progress"), "content": []},
+                ),
+                event(
+                    "response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []}
+                ),
+            ]
+
+        def close_reasoning(status: str) -> list[dict]:
+            part = {"type": "reasoning_text", "text": thought}
+            item = _reasoning_item(rs_id, thought, status)
+            events = [
+                event("response.reasoning_text.done", **rs_where, text=thought),
+                event("response.content_part.done", **rs_where, part=part),
+                event("response.output_item.done", output_index=rs_where["output_index"], item=item),
+            ]
+            output.append(item)
+            rs_where.clear()
+            return events
+
         try:
             async with aclosing(rest):
                 async for chunk in _prepend(first, rest):
                     usage = chunk.get("usage") or usage
                     for c in chunk["choices"][:1]:
                         delta = c["delta"]
-                        piece = delta.get("content")
-                        if piece:
-                            if not opened:
-                                opened = True
+                        piece = delta.get("reasoning_content")
+                        if piece:  # the parser sends all reasoning before any content
+                            if not rs_where and not thought:
+                                rs_where.update(item_id=rs_id, output_index=len(output), content_index=0)
                                 yield event(
                                     "response.output_item.added",
-                                    output_index=0,
-                                    item={**_message_item(msg_id, "", "in_progress"), "content": []},
+                                    output_index=rs_where["output_index"],
+                                    item={**_reasoning_item(rs_id, "", "in_progress"), "content": []},
                                 )
                                 yield event(
                                     "response.content_part.added",
-                                    **where,
-                                    part={"type": "output_text", "text": "", "annotations": []},
+                                    **rs_where,
+                                    part={"type": "reasoning_text", "text": ""},
                                 )
+                            thought += piece
+                            yield event("response.reasoning_text.delta", **rs_where, delta=piece)
+                        piece = delta.get("content")
+                        if piece:
+                            if rs_where:
+                                for e in close_reasoning("completed"):
+                                    yield e
+                            if not opened:
+                                opened = True
+                                for e in open_message():
+                                    yield e
                             text += piece
                             yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
                         calls += delta.get("tool_calls") or []
@@ -302,22 +352,18 @@ class ResponsesAPI:
             yield event("error", code=err.code or str(err.status), message=err.message, param=err.param)
             return
         status = "incomplete" if finish == "length" else "completed"
-        output = []
+        if rs_where:  # reasoning to the end (cut by max_output_tokens, or no answer)
+            for e in close_reasoning(status):
+                yield e
         if opened or not calls:
             if not opened:
-                yield event(
-                    "response.output_item.added",
-                    output_index=0,
-                    item={**_message_item(msg_id, "", "in_progress"), "content": []},
-                )
-                yield event(
-                    "response.content_part.added", **where, part={"type": "output_text", "text": "", "annotations": []}
-                )
+                for e in open_message():
+                    yield e
             part = {"type": "output_text", "text": text, "annotations": []}
             yield event("response.output_text.done", **where, text=text, logprobs=[])
             yield event("response.content_part.done", **where, part=part)
             item = _message_item(msg_id, text, status)
-            yield event("response.output_item.done", output_index=0, item=item)
+            yield event("response.output_item.done", output_index=where["output_index"], item=item)
             output.append(item)
         for call in calls:
             index = len(output)

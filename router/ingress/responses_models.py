@@ -91,7 +91,7 @@ class TextConfig(_Request):
 REFUSED = {
     "background": "background responses are not supported",
     "conversation": "conversations are not supported; chain responses with previous_response_id",
-    "include": "include is not supported (no reasoning, search results or logprobs to add)",
+    "include": "include is not supported (no encrypted reasoning, search results or logprobs to add)",
     "max_tool_calls": "max_tool_calls is not supported",
     "prompt": "prompt templates are not supported",
     "prompt_cache_key": "prompt_cache_key is not supported (the prefix cache needs no key)",
@@ -178,7 +178,22 @@ class OutputFunctionCall(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
 
 
-OutputItem = Union[OutputMessage, OutputFunctionCall]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """The model's reasoning, where its pool has a reasoning_parser (whole, not summarised)."""
+
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+OutputItem = Union[OutputMessage, OutputFunctionCall, OutputReasoning]
 
 
 class InputTokensDetails(BaseModel):
@@ -258,7 +273,7 @@ class ContentPartEvent(_Event):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(_Event):
@@ -277,6 +292,22 @@ class TextDoneEvent(_Event):
     content_index: int
     text: str
     logprobs: list[Any]
+
+
+class ReasoningDeltaEvent(_Event):
+    type: Literal["response.reasoning_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(_Event):
+    type: Literal["response.reasoning_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class ArgumentsDeltaEvent(_Event):
@@ -311,6 +342,8 @@ class ResponseStreamEvent(
             ContentPartEvent,
             TextDeltaEvent,
             TextDoneEvent,
+            ReasoningDeltaEvent,
+            ReasoningDoneEvent,
             ArgumentsDeltaEvent,
             ArgumentsDoneEvent,
             ErrorEvent,

@@ -139,3 +139,43 @@ def test_a_grammar_with_a_reasoning_parser_is_refused(reason_app, extra, param):
     body = {"model": "r1", "messages": ASK, "max_tokens": 4, **extra}
     err = _check(post(reason_app, "/v1/chat/completions", json=body), 400, param)
     assert "reasoning_parser" in err["message"] and param in err["message"], err
+
+
+# "<think>", "The", " user", " asks", "</think>": the tokens up to the one that closes the block.
+REASONING_TOKENS = 5
+
+
+def test_usage_counts_the_reasoning_tokens(oai):
+    usage = _create(oai, "r1").usage
+    assert usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS, usage
+    assert usage.completion_tokens > REASONING_TOKENS  # the answer's tokens come after
+    cut = _create(oai, "r1", max_tokens=3).usage  # inside the block: every token is reasoning
+    assert cut.completion_tokens_details.reasoning_tokens == cut.completion_tokens == 3
+    off = _create(oai, "q3", extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage
+    assert off.completion_tokens_details.reasoning_tokens == 0
+    stream = _create(oai, "r1", stream=True, stream_options={"include_usage": True})
+    last = [chunk for chunk in stream][-1]
+    assert last.usage.completion_tokens_details.reasoning_tokens == REASONING_TOKENS
+
+
+def test_responses_api_gives_the_reasoning_its_own_item(oai):
+    """The openai SDK's responses.create: a reasoning item (its text whole) before the message,
+    streamed as reasoning_text events at output index 0 and the answer at 1; usage counts the
+    reasoning tokens; a response cut inside the block is reasoning only, incomplete."""
+    r = oai.responses.create(model="r1", input="Hi", max_output_tokens=20, temperature=0)
+    assert [item.type for item in r.output] == ["reasoning", "message"], r.output
+    assert [c.text for c in r.output[0].content] == ["The user asks"] and r.output_text == ANSWER
+    assert r.usage.output_tokens_details.reasoning_tokens == REASONING_TOKENS
+    events = list(oai.responses.create(model="r1", input="Hi", max_output_tokens=20, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "The user asks"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == ANSWER
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    assert added == [(0, "reasoning"), (1, "message")]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1]
+    assert done.type == "response.completed" and [i.type for i in done.response.output] == ["reasoning", "message"]
+    assert done.response.output_text == ANSWER
+    assert done.response.usage.output_tokens_details.reasoning_tokens == REASONING_TOKENS
+    cut = oai.responses.create(model="r1", input="Hi", max_output_tokens=3, temperature=0)
+    assert cut.status == "incomplete" and [item.type for item in cut.output] == ["reasoning", "message"]
+    assert cut.output[0].content[0].text == "The user" and cut.output_text == ""

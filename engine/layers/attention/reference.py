@@ -60,6 +60,7 @@ class ReferenceAttentionBackend(AttentionBackend):
     place of SDPA, which has no such step."""
 
     name = "reference"
+    softcap: float | None = None  # also what the backends built on this one (cpu_paged) read
 
     def __init__(self, softcap: float | None = None) -> None:
         self.softcap = softcap
