@@ -257,7 +257,14 @@ def _pools(*fakes, aliases=None):
 
     pools = [
         PoolClient(
-            name=f.name, handle=None, client=None, openai=f, tgi=None, max_model_len=100 + i, expected_replicas=1
+            name=f.name,
+            handle=None,
+            client=None,
+            openai=f,
+            tgi=None,
+            embeddings=None,
+            max_model_len=100 + i,
+            expected_replicas=1,
         )
         for i, f in enumerate(fakes)
     ]

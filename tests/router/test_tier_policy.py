@@ -172,6 +172,7 @@ def _tiered(*fakes, routing=None):
             client=SimpleNamespace(tokenizer=tokenizer),
             openai=f,
             tgi=None,
+            embeddings=None,
             max_model_len=100,
             expected_replicas=1,
         )
