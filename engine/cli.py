@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from engine import choices
 from engine.engine_args import EngineArgs
+from engine.kv_offload.flags import add_offload_flags
 from engine.layers.quant.spec import METHODS
 from engine.lora.config import add_lora_flags
 
@@ -61,19 +62,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         help="KV pool size (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)
-    p.add_argument(
-        "--kv-offload-bytes",
-        type=int,
-        default=EngineArgs.kv_offload_bytes,
-        help="offload tier: evicted KV blocks kept and loaded back on a prefix hit (0: off)",
-    )
-    p.add_argument(
-        "--kv-offload-medium",
-        default=EngineArgs.kv_offload_medium,
-        choices=list(choices.KV_OFFLOAD_MEDIA),
-        help="disk: a memory-mapped file per rank; host: host memory",
-    )
-    p.add_argument("--kv-offload-dir", default=EngineArgs.kv_offload_dir, help="the disk tier's directory")
+    add_offload_flags(p, lambda field: getattr(EngineArgs, field))
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode steps")
     p.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)

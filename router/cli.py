@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING
 
 from engine import choices
+from engine.kv_offload.flags import add_offload_flags
 from engine.layers.quant.spec import METHODS
 from engine.lora.config import add_lora_flags, parse_lora_modules
 
@@ -149,19 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache per replica (default: 1 GiB on CPU; on CUDA sized by --gpu-memory-utilization)",
     )
     s.add_argument("--gpu-memory-utilization", type=float, default=_d("gpu_memory_utilization"))
-    s.add_argument(
-        "--kv-offload-bytes",
-        type=int,
-        default=_d("kv_offload_bytes"),
-        help="offload tier per replica: evicted KV blocks kept and loaded back on a prefix hit (0: off)",
-    )
-    s.add_argument(
-        "--kv-offload-medium",
-        default=_d("kv_offload_medium"),
-        choices=list(choices.KV_OFFLOAD_MEDIA),
-        help="disk: a memory-mapped file per rank; host: host memory (pinned on CUDA)",
-    )
-    s.add_argument("--kv-offload-dir", default=_d("kv_offload_dir"), help="the disk tier's directory")
+    add_offload_flags(s, _d)
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--max-num-seqs", type=int, default=_d("max_num_seqs"))
     s.add_argument("--max-num-batched-tokens", type=int, default=_d("max_num_batched_tokens"))
