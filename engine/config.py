@@ -65,7 +65,22 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = EngineArgs.tensor_parallel_size
+    pipeline_parallel_size: int = EngineArgs.pipeline_parallel_size
+    pipeline_partition: tuple[int, ...] | None = None  # layers per stage (engine/pipeline.py)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError("tensor_parallel_size must be >= 1")
+        if self.pipeline_parallel_size < 1:
+            raise InvalidRequestError("pipeline_parallel_size must be >= 1")
+        if self.pipeline_partition is not None and len(self.pipeline_partition) != self.pipeline_parallel_size:
+            raise InvalidRequestError(
+                f"pipeline_partition {list(self.pipeline_partition)} names {len(self.pipeline_partition)} stages, "
+                f"pipeline_parallel_size is {self.pipeline_parallel_size}",
+                param="pipeline_partition",
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in one replica: a tensor-parallel group per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -19,6 +19,8 @@ from typing import Iterator
 
 import torch
 
+from engine.pipeline import PPGroup
+
 
 @dataclass
 class TPGroup:
@@ -28,6 +30,7 @@ class TPGroup:
 
 
 _TP = TPGroup()
+_PP = PPGroup()
 _BOUND = threading.local()  # per-thread override: rank 0 in the driver
 
 
@@ -35,20 +38,27 @@ def get_tp_group() -> TPGroup:
     return getattr(_BOUND, "tp", None) or _TP
 
 
-def set_tp_group(size: int, rank: int, group: object | None = None) -> None:
-    global _TP
+def get_pp_group() -> PPGroup:
+    """This rank's pipeline stage (engine/pipeline.py); one stage when pp=1."""
+    return getattr(_BOUND, "pp", None) or _PP
+
+
+def set_tp_group(size: int, rank: int, group: object | None = None, pp: PPGroup | None = None) -> None:
+    global _TP, _PP
     _TP = TPGroup(size=size, rank=rank, group=group)
+    _PP = pp or PPGroup()
 
 
 @contextmanager
-def bound_tp_group(tp: TPGroup) -> Iterator[TPGroup]:
-    """Use `tp` on this thread for the duration (model loading and each step of rank 0)."""
-    prev = getattr(_BOUND, "tp", None)
-    _BOUND.tp = tp
+def bound_tp_group(tp: TPGroup, pp: PPGroup | None = None) -> Iterator[TPGroup]:
+    """Use `tp` (and `pp`; None keeps the bound one) on this thread for the duration (model
+    loading and each step of rank 0)."""
+    prev, prev_pp = getattr(_BOUND, "tp", None), getattr(_BOUND, "pp", None)
+    _BOUND.tp, _BOUND.pp = tp, pp if pp is not None else prev_pp
     try:
         yield tp
     finally:
-        _BOUND.tp = prev
+        _BOUND.tp, _BOUND.pp = prev, prev_pp
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

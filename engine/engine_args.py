@@ -25,6 +25,11 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     num_blocks: int | None = None
     tensor_parallel_size: int = 1
+    # Pipeline parallelism (engine/pipeline.py): the layers split into this many contiguous
+    # stages, each a tensor-parallel group, stages on different nodes where the cluster has them.
+    pipeline_parallel_size: int = 1
+    # Layers per stage, e.g. (14, 16) or "14,16"; None: as even as the layer count allows.
+    pipeline_partition: tuple[int, ...] | str | None = None
     scheduling_policy: str = "fcfs"
     served_model_name: str | None = None
     num_threads: int | None = None
