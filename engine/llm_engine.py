@@ -22,6 +22,7 @@ from engine.lora.registry import AdapterRegistry
 from engine.lora.request import LoRARequest
 from engine.model_config import ModelConfig, build_model_config
 from engine.outputs import EngineCoreOutput, RequestOutput
+from engine.pipeline import parse_partition
 from engine.request import Request, RequestStatus
 from engine.runner.cuda_graph import MAX_GRAPH_BATCH
 from engine.runner.executor import ExecutorFactory, in_process_executor
@@ -72,11 +73,14 @@ class LLMEngine:
             args.max_num_seqs, args.max_num_batched_tokens, self.model_config.max_model_len, args.scheduling_policy
         )
         graphs = torch.device(args.device).type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
+        graphs = graphs and args.pipeline_parallel_size == 1
         graphs = graphs and lora is None  # a graph would hold one step's adapter rows
         executor = executor_factory(
             self.model_config,
             cache,
-            ParallelConfig(args.tensor_parallel_size),
+            ParallelConfig(
+                args.tensor_parallel_size, args.pipeline_parallel_size, parse_partition(args.pipeline_partition)
+            ),
             args.device,
             min(args.max_num_seqs, MAX_GRAPH_BATCH) if graphs else 0,
         )
@@ -116,6 +120,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._children: dict[str, list[str]] = {}
         on_cuda_tp1 = torch.device(args.device).type == "cuda" and args.tensor_parallel_size == 1
+        on_cuda_tp1 = on_cuda_tp1 and args.pipeline_parallel_size == 1
         self.overlap_text = on_cuda_tp1 if args.overlap_text is None else args.overlap_text
         self._in_flight: StepInFlight | None = None
 

@@ -17,7 +17,7 @@ def make_executor(
     device: str | torch.device = "cpu",
     cuda_graph_max_batch: int = 0,
 ) -> Executor:
-    if parallel.tensor_parallel_size == 1:
+    if parallel.world_size == 1:
         return in_process_executor(model_config, cache_config, parallel, device, cuda_graph_max_batch)
     from workers.ray_executor import RayExecutor  # imports ray: only where a group is built
 

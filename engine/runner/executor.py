@@ -22,6 +22,9 @@ from engine.model_config import ModelConfig
 class Executor(abc.ABC):
     num_blocks: int
     num_offload_slots: int = 0  # blocks the offload tier holds (engine/kv_offload/); 0: off
+    # Steps that may be launched before the oldest completes (a pipeline's stages, each busy
+    # with its own micro-batch); 1: a step completes before the next is launched.
+    max_concurrent_batches: int = 1
 
     @abc.abstractmethod
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -115,9 +118,10 @@ def in_process_executor(
     cuda_graph_max_batch: int = 0,
 ) -> Executor:
     """The default ExecutorFactory: tp=1 only."""
-    if parallel.tensor_parallel_size != 1:
+    if parallel.world_size != 1:
         raise InvalidRequestError(
-            f"tensor_parallel_size={parallel.tensor_parallel_size} needs an executor that spans processes: "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size} needs an executor that spans processes: "
             "build the engine with workers.make_executor (or use workers.LLM offline)"
         )
     return InProcessExecutor(model_config, cache_config, device, cuda_graph_max_batch)
