@@ -22,7 +22,7 @@ from engine.lora.registry import AdapterRegistry
 from engine.lora.request import LoRARequest
 from engine.model_config import ModelConfig, build_model_config
 from engine.outputs import EngineCoreOutput, RequestOutput
-from engine.pipeline import parse_partition
+from engine.pipeline import check_pipeline_features, parse_partition
 from engine.request import Request, RequestStatus
 from engine.runner.cuda_graph import MAX_GRAPH_BATCH
 from engine.runner.executor import ExecutorFactory, in_process_executor
@@ -44,6 +44,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {args.pooling_type!r}"
             )
+        check_pipeline_features(args)
         self.args = args
         self.model_config: ModelConfig = build_model_config(
             args.model,

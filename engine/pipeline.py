@@ -12,10 +12,14 @@ starts its layers from it. The Ray side (workers/) builds the groups; the engine
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine.engine_args import EngineArgs
 
 
 def parse_partition(value: tuple[int, ...] | list[int] | str | None) -> tuple[int, ...] | None:
@@ -54,6 +58,28 @@ def stage_layer_ranges(num_layers: int, pp: int, partition: tuple[int, ...] | No
         ranges.append(range(start, start + n))
         start += n
     return ranges
+
+
+def check_pipeline_features(args: EngineArgs) -> None:
+    """Refuse, before any rank starts, what pp > 1 does not run: features whose state lives per
+    layer outside the stage split (adapters, the offload tier) or that run a second model."""
+    if args.pipeline_parallel_size == 1:
+        return
+    from engine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_value(args.speculative_config)
+    refused = [
+        (args.enable_lora, "enable_lora"),
+        (args.kv_offload_bytes > 0, "kv_offload_bytes > 0"),
+        (spec is not None and spec.uses_draft_model, f"speculative method {spec.method if spec else ''!r}"),
+    ]
+    names = [name for on, name in refused if on]
+    if names:
+        raise InvalidRequestError(
+            f"pipeline_parallel_size={args.pipeline_parallel_size} does not support {', '.join(names)}; "
+            "use pipeline_parallel_size=1 for them (n-gram speculation works with pipeline stages)",
+            param="pipeline_parallel_size",
+        )
 
 
 @dataclass
@@ -98,9 +124,7 @@ class PPGroup:
         return x
 
 
-def make_pp_group(
-    stage: int, tp_rank: int, tp: int, pp: int, layers: range, group: object | None
-) -> PPGroup:
+def make_pp_group(stage: int, tp_rank: int, tp: int, pp: int, layers: range, group: object | None) -> PPGroup:
     return PPGroup(
         size=pp,
         stage=stage,

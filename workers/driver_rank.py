@@ -1,7 +1,7 @@
-"""Tensor-parallel rank 0, run inside the driver process (as vLLM's driver worker): no Ray
-hop between the scheduler and the rank that samples. It owns its own process group object,
-bound to the calling thread only while it loads or steps, so several engines (groups) can
-live in one process and be stepped from any thread.
+"""Rank 0, run inside the driver process (as vLLM's driver worker): at pp=1 no Ray hop between
+the scheduler and the rank that samples; at pp>1 the first stage's first rank. It owns its own
+process group objects, bound to the calling thread only while it loads or steps, so several
+engines (groups) can live in one process and be stepped from any thread.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ if TYPE_CHECKING:
 
 
 class DriverRank(RankRunner):
-    def __init__(self, world_size: int, device: str | torch.device, num_threads: int) -> None:
+    def __init__(
+        self, world_size: int, device: str | torch.device, num_threads: int, tp: int | None = None, layers=None
+    ) -> None:
         self.world_size = world_size
+        self.tp_size = tp or world_size  # ranks per pipeline stage
+        self.layers = layers  # the first stage's decoder layers (pp > 1)
         self.device = torch.device(device)
         self.num_threads = num_threads  # the engine's configured torch threads
         self.tp: TPGroup | None = None
@@ -42,35 +46,35 @@ class DriverRank(RankRunner):
 
     def join(self) -> None:
         """Blocks until every remote rank has joined too (they are started just before)."""
-        from workers.process_group import join_group
-
-        self.tp = join_group(0, self.world_size, *self.rendezvous, self.device, store=self._store)
+        pp = self.world_size // self.tp_size
+        self._join(0, self.tp_size, pp, self.layers, *self.rendezvous, store=self._store)
 
     def load(self, model_config: ModelConfig, cache_config: CacheConfig) -> int:
-        with bound_tp_group(self.tp):
+        with bound_tp_group(self.tp, self.pp):
             return self._build_runner(model_config, cache_config)
 
     # ---- per step ----
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """`prev_sampled`: at pp > 1 the last stage samples, and its tokens come back here."""
         if torch.get_num_threads() != self.num_threads:  # the engine may step us from its own thread
             torch.set_num_threads(self.num_threads)
-        with bound_tp_group(self.tp):
+        if prev_sampled:
+            self._apply_prev_sampled(prev_sampled)
+        with bound_tp_group(self.tp, self.pp):
             return self.runner.execute_model(so)
 
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float]:
-        with bound_tp_group(self.tp):
+        with bound_tp_group(self.tp, self.pp):
             return self.runner.measure_step_costs(max_batch, max_k)
 
     def leave(self, exc: BaseException | None = None) -> None:
         """Close our end of the group (remote ranks blocked with us fail instead of waiting)."""
-        from workers.process_group import abort_group
-
         if exc is not None:  # its frames would keep the group (and its sockets) alive
             traceback.clear_frames(exc.__traceback__)
-        abort_group(self.tp)
+        self._abort_groups()
         if self.runner is not None:
             self.runner.close_offload()
-        self.tp = self.runner = self._store = None
+        self.tp = self.pp = self.runner = self._store = None
         gc.collect()
 
     def info(self) -> dict:
@@ -81,6 +85,7 @@ class DriverRank(RankRunner):
         ctx = ray.get_runtime_context()
         return {
             "rank": 0,
+            "stage": 0,
             "pid": os.getpid(),
             "node_id": ctx.get_node_id(),
             "placement_group_id": ctx.get_placement_group_id(),

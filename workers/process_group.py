@@ -1,4 +1,7 @@
-"""One tensor-parallel group as a torch.distributed process group (NCCL on CUDA, gloo on CPU).
+"""A replica's ranks as torch.distributed process groups (NCCL on CUDA, gloo on CPU): at pp=1
+one group, the tensor-parallel group; at pp>1 a world group of every rank (the stages'
+point-to-point hops, engine/pipeline.py) and one tensor-parallel group per stage, each on its
+own prefix of the one store.
 
 Rendezvous: rank 0 (the driver) opens a TCPStore on its node address with port 0, so the OS
 picks a free port atomically (no probe-then-bind race), and hands (address, port) to the other
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import TPGroup
+from engine.pipeline import PPGroup, make_pp_group
 
 # Bounds a collective whose peer neither answers nor closes (a frozen process): the error
 # path for a dead or failed peer is the closed connection, not this timeout. Ranks sit in no
@@ -61,11 +65,39 @@ def join_group(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> TPGroup:
     """Join the group (all ranks call this at once); returns it for the caller to bind."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(
             addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
         )
+    return TPGroup(size=world_size, rank=rank, group=_new_group(store, rank, world_size, device, timeout_s))
+
+
+def join_pipeline_groups(
+    rank: int,
+    tp: int,
+    pp: int,
+    layers: range,
+    addr: str,
+    port: int,
+    device: str | torch.device,
+    store: object | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[TPGroup, PPGroup]:
+    """pp > 1: join the world group and this rank's stage group (every rank at once). `layers`:
+    this rank's stage's decoder layers."""
+    world = tp * pp
+    if store is None:
+        store = dist.TCPStore(
+            addr, port, world, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+        )
+    stage, tp_rank = divmod(rank, tp)
+    world_group = _new_group(dist.PrefixStore("world", store), rank, world, device, timeout_s)
+    tp_group = _new_group(dist.PrefixStore(f"stage{stage}", store), tp_rank, tp, device, timeout_s) if tp > 1 else None
+    return TPGroup(size=tp, rank=tp_rank, group=tp_group), make_pp_group(stage, tp_rank, tp, pp, layers, world_group)
+
+
+def _new_group(store: object, rank: int, world_size: int, device: str | torch.device, timeout_s: float) -> object:
+    timeout = datetime.timedelta(seconds=timeout_s)
     if backend_for(device) == "nccl":
         dev = torch.device(device)
         torch.cuda.set_device(torch.device("cuda", dev.index if dev.index is not None else 0))
@@ -79,10 +111,10 @@ def join_group(
     dist.all_reduce(t, group=pg)
     if int(t.item()) != world_size:
         raise RuntimeError(f"process group check failed: all_reduce gave {t.item()}, expected {world_size}")
-    return TPGroup(size=world_size, rank=rank, group=pg)
+    return pg
 
 
-def abort_group(tp: TPGroup | None) -> None:
+def abort_group(tp: TPGroup | PPGroup | None) -> None:
     """NCCL needs an explicit abort for peers' pending collectives to fail; gloo closes when
     the caller drops its last reference to the group."""
     if tp is not None and tp.group is not None and hasattr(tp.group, "abort") and backend_name(tp) == "nccl":
@@ -92,5 +124,5 @@ def abort_group(tp: TPGroup | None) -> None:
             pass
 
 
-def backend_name(tp: TPGroup) -> str:
+def backend_name(tp: TPGroup | PPGroup) -> str:
     return "nccl" if type(tp.group).__name__ == "ProcessGroupNCCL" else "gloo"

@@ -12,6 +12,32 @@ if TYPE_CHECKING:
 class RankRunner:
     device = None
     runner = None
+    tp = None  # engine.distributed.TPGroup
+    pp = None  # engine.pipeline.PPGroup (pp > 1)
+
+    def _join(self, rank: int, tp: int, pp: int, layers: range, addr: str, port: int, store=None):
+        """Join the replica's process groups: the tp group, and at pp > 1 also the world group
+        of the stage hops."""
+        from workers.process_group import join_group, join_pipeline_groups
+
+        if pp == 1:
+            self.tp = join_group(rank, tp, addr, port, self.device, store=store)
+        else:
+            self.tp, self.pp = join_pipeline_groups(rank, tp, pp, layers, addr, port, self.device, store=store)
+
+    def _apply_prev_sampled(self, prev: dict[str, list[int]]) -> None:
+        """The token ids the sampling rank drew last step (ranks that do not sample learn them so)."""
+        states = self.runner.states
+        for rid, toks in prev.items():
+            st = states.get(rid)
+            if st is not None:
+                st.output_token_ids.extend(toks)
+
+    def _abort_groups(self) -> None:
+        from workers.process_group import abort_group
+
+        abort_group(self.tp)
+        abort_group(self.pp)
 
     def _build_runner(self, model_config, cache_config) -> int:
         """Build this rank's model shard (reads only its slices); returns its KV block budget."""

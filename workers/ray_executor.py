@@ -1,20 +1,25 @@
-"""The executor for tensor_parallel_size > 1: rank 0 runs in the driver process (the engine's
-own), ranks 1..tp-1 are Ray actors in a STRICT_PACK placement group on the driver's node; one
-torch.distributed group, one model copy and one KV cache between them.
+"""The executor for tensor_parallel_size x pipeline_parallel_size > 1: rank 0 runs in the driver
+process (the engine's own), ranks 1..world-1 are Ray actors (workers/placement.py: the first
+stage on the driver's node, each later stage on a node of its own); one model copy and one KV
+cache between them, each stage holding its layers' share (engine/pipeline.py).
 
-Per step the driver submits the scheduler's delta (plus the token ids rank 0 sampled last
-step) to the remote ranks without waiting, runs rank 0 itself (which samples), and only reaps
-remote calls that have already finished. A dead or failed rank becomes an EngineDeadError
+Per step the driver submits the scheduler's delta (plus the token ids sampled last step) to
+the remote ranks without waiting, runs rank 0 itself, and only reaps remote calls that have
+already finished. At pp=1 rank 0 samples and the step ends with it. At pp>1 rank 0 runs the
+first stage and hands its output on; the step ends when the last stage's rank 0, which
+samples, returns its output. Meanwhile the engine may launch up to pp steps
+(`max_concurrent_batches`), each stage busy with a different one. A dead or failed rank becomes an EngineDeadError
 naming it: it breaks rank 0's collective (closed connection) or shows in a reaped call; the
 group is then torn down so nothing waits on it, and a new executor can be built in its place.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import ray
 import torch
@@ -25,6 +30,7 @@ from engine.errors import EngineDeadError
 from engine.kv_transfer.block_io import head_slice
 from engine.kv_transfer.blocks import KVLayout
 from engine.model_config import ModelConfig
+from engine.pipeline import stage_layer_ranges
 from engine.runner.executor import Executor
 from workers.driver_rank import DriverRank
 from workers.messages import StepInput
@@ -60,7 +66,14 @@ class RayExecutor(Executor):
         startup_timeout_s: float = 600.0,
     ) -> None:
         self.tp = tp = parallel.tensor_parallel_size
+        self.pp = pp = parallel.pipeline_parallel_size
+        self.world = world = tp * pp
         check_tp_compatible(model_config.hf_config, tp)
+        self.stage_layers = stage_layer_ranges(model_config.num_layers, pp, parallel.pipeline_partition)
+        self.max_concurrent_batches = pp
+        self.sampler = (pp - 1) * tp  # the rank that samples: rank 0 of the last stage
+        # Micro-batch counters (tests, benchmarks): steps launched, in the pipe now, most at once.
+        self.steps_launched = self.in_flight = self.max_in_flight = 0
         self.device = torch.device(device)
         self.step_timeout_s = step_timeout_s or float(os.environ.get("ORBITAL_STEP_TIMEOUT_S", "600"))
         self.rank0: DriverRank | None = None
@@ -68,9 +81,11 @@ class RayExecutor(Executor):
         self.placement = None
         self._dead: str | None = None
         self._prev: dict[str, list[int]] = {}
-        self._started_ray = ensure_ray(math.ceil(tp * num_cpus_per_worker))
+        self._started_ray = ensure_ray(math.ceil(world * num_cpus_per_worker))
         try:
-            self.placement = place_group(tp, self.device.type, num_cpus_per_worker, placement_group, bundle_indices)
+            self.placement = place_group(
+                world, self.device.type, num_cpus_per_worker, placement_group, bundle_indices, tp=tp
+            )
             # Health checks and introspection run in their own thread ("control"), so they answer
             # while a step is running; steps stay in the default group: one at a time, in order.
             actor_cls = ray.remote(concurrency_groups={"control": 1})(TPWorker)
@@ -83,15 +98,16 @@ class RayExecutor(Executor):
                         num_gpus=gpus,
                         max_restarts=0,
                         scheduling_strategy=self.placement.strategy(r - 1),
-                    ).remote(r, tp, str(self.device), threads)
-                    for r in range(1, tp)
+                    ).remote(r, world, str(self.device), threads, tp)
+                    for r in range(1, world)
                 ]
             )
-            self.rank0 = DriverRank(tp, self.placement.driver_device or self.device, torch.get_num_threads())
+            driver_device = self.placement.driver_device or self.device
+            self.rank0 = DriverRank(world, driver_device, torch.get_num_threads(), tp, self.stage_layers[0])
             t = startup_timeout_s
             ray.get([w.ping.remote() for w in self.workers], timeout=t)  # started: the join window stays short
             addr, port = self.rank0.open_rendezvous()
-            joins = [w.join.remote(addr, port) for w in self.workers]
+            joins = [w.join.remote(addr, port, self.stage_layers[r // tp]) for r, w in enumerate(self.workers, 1)]
             self.rank0.join()
             ray.get(joins, timeout=t)
             loads = [w.load.remote(model_config, cache_config) for w in self.workers]
@@ -112,15 +128,35 @@ class RayExecutor(Executor):
 
     # ---- the Executor interface ----
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch_model(so)()
+
+    def launch_model(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput]:
         if self._dead:
             raise EngineDeadError(self._dead)
+        prev, self._prev = self._prev, {}
         try:
-            self.remote.submit(StepInput(so, self._prev))
-            out = self.rank0.execute(so)
+            refs = self.remote.submit(StepInput(so, prev), sampler=self.sampler if self.pp > 1 else None)
+            out = self.rank0.execute(so, prev if self.pp > 1 else None)
             self.remote.reap(self.step_timeout_s)
         except Exception as e:
             self._fail(e)
-        self._prev = sampled_delta(out)
+        self.steps_launched += 1
+        if self.pp == 1:
+            self._prev = sampled_delta(out)
+            return lambda: out
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        return functools.partial(self._complete, refs[self.sampler - 1])
+
+    def _complete(self, ref) -> ModelRunnerOutput:
+        """pp > 1: the last stage's output of a launched step."""
+        try:
+            out = ray.get(ref, timeout=self.step_timeout_s)
+        except Exception as e:
+            self._fail(e)
+        self.in_flight -= 1
+        for rid, toks in sampled_delta(out).items():  # reach the other ranks with the next step
+            self._prev.setdefault(rid, []).extend(toks)
         return out
 
     def check_health(self) -> None:
@@ -132,7 +168,7 @@ class RayExecutor(Executor):
         except ray.exceptions.GetTimeoutError:
             # Slow, not gone: unhealthy for now (Serve replaces the replica if it stays so); a
             # group torn down on one late answer lost every request in it.
-            raise EngineDeadError("a tensor-parallel rank did not answer its health ping within 10 s") from None
+            raise EngineDeadError(f"a {self._ranks_word()} did not answer its health ping within 10 s") from None
         except Exception as e:
             self._fail(e)
 
@@ -143,29 +179,38 @@ class RayExecutor(Executor):
         return self.rank0.runner.kv_layout()
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Every rank's heads of these blocks, gathered here (dim 2 is the KV heads, in rank
-        order). Remote ranks' calls queue behind the steps already sent to them."""
+        """Every rank's heads of these blocks, gathered here: dim 2 is the KV heads (a stage's
+        ranks in order), dim 0 the layers (the stages in order). Remote ranks' calls queue
+        behind the steps already sent to them."""
         refs = [w.read_kv_blocks.remote(block_ids) for w in self.workers]
         try:
             parts = [self.rank0.read_kv_blocks(block_ids)] + ray.get(refs, timeout=self.step_timeout_s)
         except Exception as e:
             self._fail(e)
-        return torch.cat(parts, dim=2)
+        tp = self.tp
+        return torch.cat([torch.cat(parts[s * tp : (s + 1) * tp], dim=2) for s in range(self.pp)], dim=0)
+
+    def _rank_share(self, data: torch.Tensor, rank: int) -> torch.Tensor:
+        """A rank's part of an every-layer, every-head payload: its stage's layers, its heads."""
+        layers = self.stage_layers[rank // self.tp]
+        return head_slice(data[layers.start : layers.stop], rank % self.tp, self.tp)
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Each rank gets only its slice of the heads (prefill and decode TP may differ)."""
-        refs = [
-            w.write_kv_blocks.remote(block_ids, head_slice(data, r, self.tp)) for r, w in enumerate(self.workers, 1)
-        ]
+        """Each rank gets only its share of the layers and heads (the two pools' tp and pp may
+        differ)."""
+        refs = [w.write_kv_blocks.remote(block_ids, self._rank_share(data, r)) for r, w in enumerate(self.workers, 1)]
         try:
-            self.rank0.write_kv_blocks(block_ids, head_slice(data, 0, self.tp))
+            self.rank0.write_kv_blocks(block_ids, self._rank_share(data, 0))
             ray.get(refs, timeout=self.step_timeout_s)
         except Exception as e:
             self._fail(e)
 
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         """The speculative verify-step cost table, measured by all ranks together (before any
-        request: nothing else is in flight on the group)."""
+        request: nothing else is in flight on the group). pp > 1: not measured (a stage's
+        forward needs its predecessor's output); the engine assumes cost by tokens."""
+        if self.pp > 1:
+            return None
         refs = [w.measure_step_costs.remote(max_batch, max_k) for w in self.workers]
         try:
             table = self.rank0.measure_step_costs(max_batch, max_k)
@@ -204,7 +249,7 @@ class RayExecutor(Executor):
     # ---- failure handling ----
     def _fail(self, cause: BaseException):
         self._dead = self._diagnose(cause)
-        logger.error("tensor-parallel group failed: %s", self._dead)
+        logger.error("replica's rank group failed: %s", self._dead)
         # Rank 0 lets go of the group only now: had it closed first, a rank still blocked in a
         # collective with it would fail too and look like the culprit.
         if self.remote is not None:
@@ -219,15 +264,23 @@ class RayExecutor(Executor):
         if dead:
             ranks = ", ".join(map(str, dead))
             return (
-                f"tensor-parallel rank {ranks} of {self.tp} died (worker actor gone); "
+                f"{self._ranks_word()} {ranks} of {self.world}{self._stages(dead)} died (worker actor gone); "
                 f"the engine cannot continue (first error seen: {_summary(cause)})"
             )
         if failed:
             # A rank that lost its peer fails too: prefer the one whose error is its own.
             own = [r for r, e in failed.items() if not _lost_peer(e)] or sorted(failed)
             rank = min(own)
-            return f"tensor-parallel rank {rank} of {self.tp} failed: {_summary(failed[rank])}"
-        return f"tensor-parallel rank 0 of {self.tp} (in the driver) failed: {_summary(cause)}"
+            return f"{self._ranks_word()} {rank} of {self.world}{self._stages([rank])} failed: {_summary(failed[rank])}"
+        return f"{self._ranks_word()} 0 of {self.world} (in the driver) failed: {_summary(cause)}"
+
+    def _ranks_word(self) -> str:
+        return "tensor-parallel rank" if self.pp == 1 else "rank"
+
+    def _stages(self, ranks: list[int]) -> str:
+        if self.pp == 1:
+            return ""
+        return " (pipeline stage " + ", ".join(str(r // self.tp) for r in ranks) + ")"
 
 
 def _lost_peer(err: BaseException) -> bool:

@@ -15,12 +15,10 @@ from __future__ import annotations
 import pickle
 import time
 from collections import deque
-from typing import TYPE_CHECKING
 
 import ray
 
-if TYPE_CHECKING:
-    from workers.messages import StepInput
+from workers.messages import StepInput
 
 
 class RemoteRanks:
@@ -29,9 +27,16 @@ class RemoteRanks:
         self.reap_every, self.max_pending = reap_every, max_pending
         self._pending: deque[list] = deque()  # one list of refs per submitted step, oldest first
 
-    def submit(self, inp: StepInput) -> None:
+    def submit(self, inp: StepInput, sampler: int | None = None) -> list:
+        """Send the step to every remote rank; rank `sampler` (pp > 1: it sampled the previous
+        tokens itself) gets it without them. Returns the calls' refs, rank 1 first."""
         payload = pickle.dumps(inp, protocol=pickle.HIGHEST_PROTOCOL)
-        self._pending.append([a.execute.remote(payload) for a in self.actors])
+        own = payload
+        if sampler is not None and inp.prev_sampled:
+            own = pickle.dumps(StepInput(inp.so), protocol=pickle.HIGHEST_PROTOCOL)
+        refs = [a.execute.remote(own if r == sampler else payload) for r, a in enumerate(self.actors, start=1)]
+        self._pending.append(refs)
+        return refs
 
     def reap(self, backlog_timeout_s: float) -> None:
         """Every `reap_every` steps, release the finished earlier steps (raising a failed rank's

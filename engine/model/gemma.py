@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.distributed import get_pp_group
 from engine.layers.activation import GeluTanhAndMul
 from engine.layers.norm import GemmaRMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.layers.vocab_embedding import VocabParallelEmbedding
 from engine.model.architectures import Architecture
 from engine.model.llama_layers import LlamaAttention, LlamaMLP, head_dim_of
+from engine.model.pipeline_stage import MissingLayer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -60,9 +62,13 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
+    stage_width = 1  # a pipeline stage hands on the hidden state alone (no residual stream)
+
     def __init__(self, config: PretrainedConfig, arch: Architecture, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.pp = pp = get_pp_group()
+        if pp.is_first or (pp.is_last and bool(getattr(config, "tie_word_embeddings", False))):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         # A float32 scalar cast to the embedding dtype, as transformers multiplies (bf16: 55.5 for 55.43).
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(dtype)
         self.register_buffer("embed_scale", scale, persistent=False)
@@ -72,11 +78,18 @@ class GemmaModel(nn.Module):
             t: RotaryEmbedding(head_dim, max_position, rope_parameters(config, t), dtype, config, t)
             for t in sorted(set(types))
         }
-        self.layers = nn.ModuleList(GemmaDecoderLayer(config, arch, rotary[t], dtype) for t in types)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(
+            GemmaDecoderLayer(config, arch, rotary[t], dtype) if pp.holds_layer(i) else MissingLayer()
+            for i, t in enumerate(types)
+        )
+        if pp.is_last:
+            self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale if intermediate is None else intermediate[0]
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            if not isinstance(layer, MissingLayer):
+                x = layer(positions, x)
+        return self.norm(x) if self.pp.is_last else x.unsqueeze(0)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
+from engine.distributed import get_pp_group
 from engine.layers.attention import Attention
 from engine.layers.attention.reference import soft_cap
 from engine.layers.moe import SparseMoE
@@ -31,6 +32,7 @@ from engine.model.fused_checkpoint import RowWindow, row_window
 from engine.model.fused_decode import FusedDecode
 from engine.model.gemma import GemmaModel
 from engine.model.llama_layers import LlamaDecoderLayer, head_dim_of
+from engine.model.pipeline_stage import MissingLayer, holds_weight, stage_input
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -46,27 +48,44 @@ _STACKED = [
 
 
 class LlamaModel(nn.Module):
+    # A pipeline stage hands on (hidden, residual): the next layer's add-and-norm takes both.
+    stage_width = 2
+
     def __init__(self, config: PretrainedConfig, arch: Architecture, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.pp = pp = get_pp_group()
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        if pp.is_first or (pp.is_last and tied):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters(config), dtype, config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, arch, rotary, dtype, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, arch, rotary, dtype, i) if pp.holds_layer(i) else MissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self._fused: FusedDecode | None | bool = False  # False: not built yet (weights load first)
+        if pp.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # False: not built yet (weights load first); the fused step runs whole models only.
+        self._fused: FusedDecode | None | bool = False if pp.size == 1 else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final hidden states; on a stage before the last, (hidden, residual) stacked for
+        the next stage, which passes them as `intermediate`."""
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)
         if self._fused is False:
             self._fused = FusedDecode.for_model(self)
         fused = self._fused.run(x, positions) if self._fused is not None else None
         if fused is not None:
             x, residual = fused
         else:
-            residual = None
+            x, residual = stage_input(intermediate, 2) if intermediate is not None else (x, None)
             for layer in self.layers:
-                x, residual = layer(positions, x, residual)
+                if not isinstance(layer, MissingLayer):
+                    x, residual = layer(positions, x, residual)
+        if not self.pp.is_last:
+            return torch.stack([x, residual])
         x, _ = self.norm(x, residual)
         return x
 
@@ -83,13 +102,22 @@ class LlamaForCausalLM(nn.Module):
             self.model = GemmaModel(config, self.arch, max_position, dtype)
         else:
             self.model = LlamaModel(config, self.arch, max_position, dtype)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.pp = get_pp_group()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
+        if self.pp.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
+            if self.tie_word_embeddings:
+                self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    @property
+    def stage_width(self) -> int:
+        """Tensors of [tokens, hidden] a stage before the last hands on (engine/pipeline.py)."""
+        return self.model.stage_width
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.lm_head.compute_logits(hidden)
@@ -97,15 +125,20 @@ class LlamaForCausalLM(nn.Module):
         return soft_cap(logits, cap) if logits is not None else None
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's, in layer order."""
+        return [layer.self_attn.attn for layer in self.model.layers if not isinstance(layer, MissingLayer)]
 
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> set[str]:
         """Load (name, tensor-or-lazy-slice) pairs; returns the parameter names filled."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        moe = {i: layer.mlp for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoE)}
+        moe = {
+            i: layer.mlp
+            for i, layer in enumerate(self.model.layers)
+            if isinstance(getattr(layer, "mlp", None), SparseMoE)
+        }
         for name, w in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or not holds_weight(name, self.pp, self.tie_word_embeddings):
                 continue
             if moe and name.startswith("model.layers."):
                 block = moe.get(int(name.split(".")[2]))
@@ -133,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, w)
                 loaded.add(name)
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.pp.is_last:
             loaded.add("lm_head.weight")
         missing = set(params) - loaded
         if missing:

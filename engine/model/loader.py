@@ -81,7 +81,7 @@ def load_model(
     stay with their rows) instead of packing them; "gguf" reads `gguf_file`'s blocks as they are,
     "gptq" / "awq" the checkpoint's own integers and scales (gptq_awq.py).
     The quantized shard is saved once (quant_checkpoint.py) and read back on the next start."""
-    from engine.distributed import get_tp_group
+    from engine.distributed import get_pp_group, get_tp_group
     from engine.layers.quant import parse_quantization
     from engine.model import quant_checkpoint
     from engine.model.llama import LlamaForCausalLM
@@ -97,8 +97,10 @@ def load_model(
                     module.pack_weights()
         return model.eval()
     sources = [gguf_file] if spec.method == "gguf" else [Path(f) for f in safetensors_files(model_dir)]
-    tp = get_tp_group()
-    saved = quant_checkpoint.cache_path(sources, str(spec), dtype, tp.rank, tp.size, torch.device(device).type)
+    tp, pp = get_tp_group(), get_pp_group()
+    saved = quant_checkpoint.cache_path(
+        sources, str(spec), dtype, tp.rank, tp.size, torch.device(device).type, pp.layers if pp.size > 1 else None
+    )
     if saved.is_file():
         quant_checkpoint.load(model, saved)
     else:

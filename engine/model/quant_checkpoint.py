@@ -33,9 +33,18 @@ _META = ("group_size", "two_nibbles", "out_features", "centered")
 
 
 def cache_path(
-    sources: list[Path], quantization: str, dtype: torch.dtype, tp_rank: int, tp_size: int, device: str = "cpu"
+    sources: list[Path],
+    quantization: str,
+    dtype: torch.dtype,
+    tp_rank: int,
+    tp_size: int,
+    device: str = "cpu",
+    stage_layers: range | None = None,
 ) -> Path:
+    """`stage_layers`: a pipeline stage's decoder layers (pp > 1), which its shard holds alone."""
     ident = [FORMAT, quantization, str(dtype), tp_rank, tp_size]
+    if stage_layers is not None:
+        ident.append([stage_layers.start, stage_layers.stop])
     if device == "cpu":  # PyTorch's CPU int4 pack is laid out per its vector code (int4_format.pack_layout)
         from engine.layers.quant.int4_format import pack_layout
 

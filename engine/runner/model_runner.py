@@ -1,7 +1,9 @@
 """Runs one step of the model on one worker (one TP rank): inputs, forward, logits, sampling.
 
-Holds the model shard, one KV tensor per layer (views bound to the attention layers) and its
-own per-request state. Rank 0 samples and returns token ids; other ranks return None.
+Holds the model shard, one KV tensor per layer of its pipeline stage (views bound to the
+attention layers) and its own per-request state. A stage before the last receives its input
+from the previous stage, sends its output on and returns None; the last stage's rank 0
+samples and returns token ids; other ranks return None.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from engine.distributed import get_tp_group, tp_all_reduce, tp_max
+from engine.distributed import get_pp_group, get_tp_group, tp_all_reduce, tp_max
 from engine.kv_offload.rank_io import load_blocks, save_blocks
 from engine.kv_offload.store import OffloadStore
 from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
@@ -73,6 +75,9 @@ class ModelRunner:
         self.graphs = None
         self.device = torch.device(device)
         self.tp = get_tp_group()
+        self.pp = get_pp_group()
+        # The rank that samples and reports the step: rank 0 of the last pipeline stage.
+        self.samples = self.tp.rank == 0 and self.pp.is_last
         self.states = RunnerStates()
         self.sampler = Sampler()
         self.model = None
@@ -108,7 +113,8 @@ class ModelRunner:
 
     @property
     def num_kv_heads_local(self) -> int:
-        return self.model.model.layers[0].self_attn.qkv_proj.num_kv_heads
+        first = next(layer for layer in self.model.model.layers if hasattr(layer, "self_attn"))  # this stage's
+        return first.self_attn.qkv_proj.num_kv_heads
 
     @property
     def kv_storage_dtype(self) -> torch.dtype:
@@ -118,7 +124,12 @@ class ModelRunner:
         """Real bytes: an int8 cache's rows carry their scales (kv_quant.py)."""
         elem = torch.tensor([], dtype=self.kv_storage_dtype).element_size()
         width = row_width(self.cc.kv_cache_dtype, self.mc.head_dim)
-        return 2 * self.mc.num_layers * self.cc.block_size * self.num_kv_heads_local * width * elem
+        return 2 * self.num_local_layers * self.cc.block_size * self.num_kv_heads_local * width * elem
+
+    @property
+    def num_local_layers(self) -> int:
+        """Decoder layers this rank's stage holds (all of them when pp=1)."""
+        return len(self.model.attention_layers())
 
     def kv_layout(self) -> KVLayout:
         """Over all ranks: every KV head of the model, whatever this rank holds."""
@@ -166,10 +177,12 @@ class ModelRunner:
         self.init_kv_cache(next_block)
         batch = build_step_batch(states, lens, bs, self.device, decode_buckets=self.uses_decode_buckets)
         with forward_context(batch.meta):
-            hidden = self.model(batch.input_ids, batch.positions)
-        logits = self.model.compute_logits(hidden[: min(num_tokens, num_logit_rows)]).float()
-        torch.log_softmax(logits, dim=-1), torch.softmax(logits, dim=-1)  # the sampler's float32 copies
-        del hidden, logits
+            hidden = self.model(batch.input_ids, batch.positions, self._dummy_stage_input(batch))
+        if self.pp.is_last:
+            logits = self.model.compute_logits(hidden[: min(num_tokens, num_logit_rows)]).float()
+            torch.log_softmax(logits, dim=-1), torch.softmax(logits, dim=-1)  # the sampler's float32 copies
+            del logits
+        del hidden
         for attn in self.model.attention_layers():
             attn.kv_cache = None
         self.kv_caches, self._kv_buffer = [], None
@@ -233,7 +246,7 @@ class ModelRunner:
             row_width(self.cc.kv_cache_dtype, self.mc.head_dim),
         )
         self.kv_caches, self._kv_buffer = allocate_kv_caches(
-            self.mc.num_layers, shape, self.kv_storage_dtype, self.device
+            self.num_local_layers, shape, self.kv_storage_dtype, self.device
         )
         for attn, cache in zip(self.model.attention_layers(), self.kv_caches):
             attn.kv_cache = cache
@@ -274,7 +287,7 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """After init_kv_cache. Only the Triton paged kernel reads fixed-shape metadata; tp > 1
         all-reduces through a process group a graph cannot hold."""
-        if not self.cuda_graph_max_batch or self.device.type != "cuda" or self.tp.size != 1:
+        if not self.cuda_graph_max_batch or self.device.type != "cuda" or self.tp.size != 1 or self.pp.size != 1:
             return
         if self.model.attention_layers()[0].backend.name != "triton_paged":
             return
@@ -303,7 +316,7 @@ class ModelRunner:
         if self.lora is not None and so.has_lora_changes:
             self.lora.apply(so)
         if so.is_empty:
-            return functools.partial(ModelRunnerOutput, kv_load_failed=load_failed) if self.tp.rank == 0 else _none
+            return functools.partial(ModelRunnerOutput, kv_load_failed=load_failed) if self.samples else _none
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
         counts = [so.num_scheduled_tokens[r] for r in rids]
@@ -320,7 +333,13 @@ class ModelRunner:
                 slots = [self.states[r].lora_slot for r in batch.request_ids]
                 lora = self.lora.batch(slots, batch.starts, batch.counts, self.device)
             with forward_context(batch.meta), lora_context(lora):
-                hidden = self.model(batch.input_ids, batch.positions)
+                hidden = self.model(batch.input_ids, batch.positions, self._stage_input(batch))
+        if not self.pp.is_last:  # the next stage goes on from here
+            self.pp.send(hidden)
+            for k, st in enumerate(states):
+                st.num_computed_tokens += counts[k]
+                st.spec_token_ids = []
+            return _none
         by_id = {r: self.states[r] for r in batch.request_ids}
         # Rows that produce a token: the last scheduled token reaches the end of the sequence
         # (embedding requests sample nothing: pooling.py makes their vectors, on rank 0).
@@ -330,7 +349,7 @@ class ModelRunner:
             if by_id[r].num_computed_tokens + batch.counts[k] >= by_id[r].num_tokens
             and by_id[r].sampling_params.pooling is None
         ]
-        pooled = pool_step(hidden, batch, by_id) if self.tp.rank == 0 else {}
+        pooled = pool_step(hidden, batch, by_id) if self.samples else {}
         prompt_lp = self._prompt_logprob_rows(batch, by_id)
         # A request with drafts is scored at its last token and at every draft (1 + k rows).
         rows = [
@@ -345,13 +364,27 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(hidden, prompt_lp, by_id)
         for k, r in enumerate(batch.request_ids):
             by_id[r].num_computed_tokens += batch.counts[k]
-        if self.tp.rank != 0:
+        if not self.samples:
             for st in states:
                 st.spec_token_ids = []
             return _none
         sts = [by_id[batch.request_ids[k]] for k in sample_idx]
         res = self._sample_positions(sts, logits[:num_sample_rows], so.grammar_bitmasks) if num_sample_rows else None
         return functools.partial(self._sampled_output, batch, sts, res, prompt_lp, pooled, load_failed)
+
+    def _stage_input(self, batch: StepBatch) -> torch.Tensor | None:
+        """On a stage after the first: the previous stage's output for this step's tokens."""
+        if self.pp.is_first:
+            return None
+        shape = (self.model.stage_width, batch.input_ids.shape[0], self.mc.hf_config.hidden_size)
+        return self.pp.recv(shape, self.mc.dtype, self.device)
+
+    def _dummy_stage_input(self, batch: StepBatch) -> torch.Tensor | None:
+        """The memory profile's stand-in for a previous stage's output (no peer takes part)."""
+        if self.pp.is_first:
+            return None
+        shape = (self.model.stage_width, batch.input_ids.shape[0], self.mc.hf_config.hidden_size)
+        return torch.zeros(shape, dtype=self.mc.dtype, device=self.device)
 
     def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmasks: dict):
         """One sampler row per scored position: a request's position j (after j drafts) sees

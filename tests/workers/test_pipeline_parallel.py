@@ -1,0 +1,191 @@
+"""Pipeline parallelism on several simulated nodes (ray.cluster_utils.Cluster, gloo): the layers
+split into stages, each stage a tensor-parallel group on a node of its own. Greedy tokens equal
+transformers' float32 ones and the pp=1 engine's, logprobs within 1e-3 (even and uneven
+partitions, tp=1 and tp=2 per stage, Llama and Gemma 2); concurrent requests keep several
+micro-batches in the pipe; the KV hand-off reads and writes every stage's layers; a killed
+stage rank ends generation with an error naming its stage."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+
+from engine import EngineDeadError, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.serve_cluster import release_ray
+from tests.tiny_llama import save_tiny_llama
+from tests.workers.conftest import hf_greedy
+from workers import LLM
+
+pytestmark = pytest.mark.slow
+
+ARGS = dict(
+    dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=16, enable_prefix_caching=True, num_threads=1
+)
+SHARED = list(range(40, 80))
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+    [100, 200, 300],
+    [7],
+    SHARED + [11, 12, 13],
+    list(range(300, 350)),  # several chunks of 16 tokens
+    SHARED[:38] + [500, 501, 502, 503, 504, 505],  # a prefix hit plus a tail hit
+]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def three_nodes():
+    """The driver's node (head) and two more, 2 CPUs each: room for a stage of tp=2 on each."""
+    from ray.cluster_utils import Cluster
+
+    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    try:
+        nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory, smollm_dir):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-4l"), seed=3, tokenizer_from=smollm_dir, num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def reference(four_layers):
+    return hf_greedy(four_layers, PROMPTS, NEW)
+
+
+def _generate(llm: LLM, prompts=PROMPTS, new=NEW):
+    params = SamplingParams(temperature=0, max_tokens=new, logprobs=0)
+    # The first prompt and the shared prefix first: later prompts hit the prefix cache.
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[4:]], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in first + rest]
+
+
+def _assert_same(got, expected, tol=1e-3):
+    for k, ((ids, lps), (exp_ids, exp_lps)) in enumerate(zip(got, expected)):
+        assert ids == exp_ids, f"prompt {k}: {ids} != {exp_ids}"
+        assert max(abs(a - b) for a, b in zip(lps, exp_lps)) < tol, f"prompt {k}: logprobs differ"
+
+
+@pytest.mark.parametrize(
+    "pp,tp,partition",
+    [(2, 1, None), (2, 2, None), (3, 1, "1,2,1")],
+    ids=["pp2-tp1", "pp2-tp2", "pp3-uneven"],
+)
+def test_stages_match_transformers_on_separate_nodes(three_nodes, four_layers, reference, pp, tp, partition):
+    llm = LLM(
+        str(four_layers), tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_partition=partition, **ARGS
+    )
+    try:
+        ex = llm.engine.core.executor
+        info = ex.worker_info()
+        assert [i["rank"] for i in info] == list(range(pp * tp))
+        nodes_of = [{i["node_id"] for i in info if i["stage"] == s} for s in range(pp)]
+        assert all(len(n) == 1 for n in nodes_of), f"a stage spans nodes: {nodes_of}"
+        assert len(set.union(*nodes_of)) == pp, f"stages share a node: {nodes_of}"
+        # Each stage's KV cache holds its own layers only.
+        layers = [len(r) for r in ex.stage_layers]
+        assert layers == ([int(x) for x in partition.split(",")] if partition else [4 // pp] * pp)
+        _assert_same(_generate(llm), reference)
+    finally:
+        llm.shutdown()
+
+
+def test_pp1_engine_agrees(four_layers, reference):
+    """The in-process engine on the same model: what the stages are compared with above."""
+    from engine import LLM as LocalLLM
+
+    llm = LocalLLM(str(four_layers), **ARGS)
+    try:
+        _assert_same(_generate(llm), reference)
+    finally:
+        llm.shutdown()
+
+
+def test_micro_batches_overlap(three_nodes, four_layers, reference):
+    """Many concurrent requests: the engine keeps up to pp steps in the pipe (the executor's own
+    counters), and the tokens are still the reference's."""
+    llm = LLM(str(four_layers), pipeline_parallel_size=2, **{**ARGS, "max_num_seqs": 3})
+    try:
+        ex = llm.engine.core.executor
+        assert ex.max_concurrent_batches == 2
+        got = _generate(llm, PROMPTS * 2)
+        _assert_same(got, reference * 2)
+        assert ex.max_in_flight == 2, f"at most {ex.max_in_flight} step(s) in the pipe"
+        assert ex.in_flight == 0
+        pool = llm.engine.core.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == ex.num_blocks
+    finally:
+        llm.shutdown()
+
+
+def test_kv_handoff_covers_every_stage(three_nodes, four_layers):
+    """Blocks read from a pp=2 engine equal the pp=1 engine's for the same prompt (every layer,
+    every head), and written back into the pp=2 engine they read the same again."""
+    from engine import LLM as LocalLLM
+
+    prompt = list(range(200, 232))  # 8 full blocks
+    params = SamplingParams(temperature=0, max_tokens=1)
+    one = LocalLLM(str(four_layers), **ARGS)
+    two = LLM(str(four_layers), pipeline_parallel_size=2, **ARGS)
+    try:
+        ids = []
+        for llm in (one, two):
+            llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            pool = llm.engine.core.scheduler.kv_cache_manager.block_pool
+            ids.append(sorted(b.block_id for b in pool.blocks if b.block_hash is not None))
+        assert len(ids[0]) == 8 and ids[0] == ids[1]
+        a = one.engine.core.executor.read_kv_blocks(ids[0])
+        b = two.engine.core.executor.read_kv_blocks(ids[1])
+        assert a.shape == b.shape and a.shape[0] == 4
+        assert (a - b).abs().max().item() < 1e-5
+        two.engine.core.executor.write_kv_blocks([100, 101], a[:, :, :, :2].contiguous())
+        back = two.engine.core.executor.read_kv_blocks([100, 101])
+        assert back.equal(a[:, :, :, :2])
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_killed_stage_rank_names_its_stage(three_nodes, four_layers):
+    llm = LLM(str(four_layers), pipeline_parallel_size=2, **{**ARGS, "num_blocks": 512})
+    ex = llm.engine.core.executor
+
+    def killer():
+        while llm.engine.core.scheduler.num_steps < 10:
+            time.sleep(0.005)
+        ray.kill(ex.workers[0])  # rank 1: the last stage, which samples
+
+    th = threading.Thread(target=killer, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError) as err:
+            llm.generate(
+                [{"prompt_token_ids": [1, 2, 3]}] * 4, SamplingParams(temperature=0, max_tokens=400), use_tqdm=False
+            )
+        assert time.monotonic() - t0 < 60
+        assert "rank 1 of 2 (pipeline stage 1)" in str(err.value)
+    finally:
+        th.join()
+        llm.shutdown()
+
+
+def test_refused_settings(four_layers):
+    with pytest.raises(InvalidRequestError, match="pipeline_partition"):
+        LLM(str(four_layers), pipeline_parallel_size=2, pipeline_partition="1,1", **ARGS)
+    with pytest.raises(InvalidRequestError, match="enable_lora"):
+        LLM(str(four_layers), pipeline_parallel_size=2, enable_lora=True, **ARGS)
+    with pytest.raises(InvalidRequestError, match="at least 5 layers"):
+        LLM(str(four_layers), pipeline_parallel_size=5, **ARGS)
