@@ -1,6 +1,6 @@
 """`python -m engine` / `orbital-generate`: run prompts through the offline engine from a shell.
 
-`python -m workers` is the same command built with the Ray executor factory (`--tp` > 1)."""
+`python -m workers` is the same command built with the Ray executor factory (`--tp` or `--pp` > 1)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,19 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         help="--embed: the last prompt token's final hidden state, or the mean over the prompt",
     )
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=EngineArgs.tensor_parallel_size)
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "--pp",
+        type=int,
+        default=EngineArgs.pipeline_parallel_size,
+        help="pipeline stages: the model's layers in contiguous stages of --tp ranks each",
+    )
+    p.add_argument(
+        "--pipeline-partition",
+        default=EngineArgs.pipeline_partition,
+        metavar="N,N,...",
+        help="layers per stage, e.g. 14,16 (default: as even as the layer count allows)",
+    )
     p.add_argument("--device", default=EngineArgs.device, help="cpu or cuda")
     p.add_argument(
         "--kv-cache-memory-bytes",
@@ -127,6 +140,8 @@ def main(
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            pipeline_partition=args.pipeline_partition,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             kv_offload_bytes=args.kv_offload_bytes,

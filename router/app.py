@@ -1,5 +1,5 @@
-"""Build the Serve application: engine replicas (one per TP group) behind one router; one engine
-deployment per model pool (`AppConfig.models`), all behind the same router.
+"""Build the Serve application: engine replicas (a TP group per pipeline stage) behind one
+router; one engine deployment per model pool (`AppConfig.models`), all behind the same router.
 
 From Python::
 
@@ -38,18 +38,21 @@ DRAIN_MARGIN_S = 5.0
 
 
 def engine_deployment_options(cfg: AppConfig) -> dict:
-    """Serve options of the engine deployment: one placement group (STRICT_PACK) per replica,
-    bundle i for TP rank i. The replica actor itself reserves bundle 0 (ray_actor_options): the
-    engine runs in it at tp=1, and at tp>1 it is rank 0 (workers/driver_rank.py), which needs
-    its cores and GPU; ranks 1..tp-1 are TPWorker actors in bundles 1..tp-1."""
-    # A TPWorker actor asks for one CPU (workers.make_executor -> RayExecutor defaults),
-    # so at tp>1 every bundle has at least that (all bundles alike: rank 0 does the same work).
-    cpus = cfg.cpus_per_worker if cfg.tensor_parallel_size == 1 else max(1.0, cfg.cpus_per_worker)
+    """Serve options of the engine deployment: one placement group per replica, a bundle per
+    rank: stage s of `pipeline_parallel_size` takes bundles [s*tp, (s+1)*tp) for its TP ranks.
+    The replica actor itself reserves bundle 0 (ray_actor_options): with one rank the engine runs
+    in it, with more it is rank 0 (workers/driver_rank.py), which needs its cores and GPU; the
+    other ranks are Ray actors in the other bundles. One stage: STRICT_PACK (the TP group
+    on one node). Several: PACK, so Ray puts each node's share of the bundles together and a
+    stage that fills a node gets a node of its own."""
+    # A rank actor asks for one CPU (workers.make_executor -> RayExecutor defaults), so with
+    # several ranks every bundle has at least that (all bundles alike: rank 0 does the same work).
+    cpus = cfg.cpus_per_worker if cfg.world_size == 1 else max(1.0, cfg.cpus_per_worker)
     bundle = {"CPU": cpus}
     actor = {"num_cpus": cpus}
     if cfg.worker_gpus:
         bundle["GPU"] = actor["num_gpus"] = cfg.worker_gpus
-    bundles = [dict(bundle) for _ in range(cfg.tensor_parallel_size)]
+    bundles = [dict(bundle) for _ in range(cfg.world_size)]
     if cfg.replica_resources:  # pins the pool to nodes that advertise these resources
         bundles[0].update(cfg.replica_resources)
     if cfg.engine_runtime_env:
@@ -60,7 +63,7 @@ def engine_deployment_options(cfg: AppConfig) -> dict:
     return dict(
         num_replicas=cfg.num_replicas,
         placement_group_bundles=bundles,
-        placement_group_strategy="STRICT_PACK",
+        placement_group_strategy="STRICT_PACK" if cfg.pipeline_parallel_size == 1 else "PACK",
         ray_actor_options=actor,
         max_ongoing_requests=max_ongoing,
         health_check_period_s=10.0,

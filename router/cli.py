@@ -2,6 +2,7 @@
 
     orbital serve                      # the embedded SmolLM2-135M-Instruct on 127.0.0.1:8000
     orbital serve --model ./my-llama --tp 2 --replicas 2 --port 8080 --api-key secret
+    orbital serve --address auto --device cuda --model /models/big --pp 2 --tp 8   # a stage per node
     orbital serve --autoscaling deploy/autoscaling.yaml   # 1..max replicas, by load
     orbital serve --model-pool name=small,replicas=2 --model-pool name=big,model=./llama,tp=2 \
                   --alias chat=small,big                  # two models, a tier that overflows
@@ -43,16 +44,21 @@ def _reasoning_parsers() -> tuple[str, ...]:
 
 
 # Short keys of --model-pool beside ModelPool's own field names (with - or _).
-POOL_KEYS = {"replicas": "num_replicas", "tp": "tensor_parallel_size"}
+POOL_KEYS = {"replicas": "num_replicas", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
 
 
 def parse_model_pool(spec: str) -> dict:
-    """`name=NAME,model=PATH,dtype=...,replicas=N,tp=N,max-num-seqs=N,...` -> a ModelPool mapping
-    (values stay strings; AppConfig validates them)."""
+    """`name=NAME,model=PATH,dtype=...,replicas=N,tp=N,pp=N,max-num-seqs=N,...` -> a ModelPool
+    mapping (values stay strings; AppConfig validates them). `pipeline-partition=14,16` keeps its
+    commas: the items after it without `=` are the rest of its value."""
     from router.config import ModelPool
 
     out: dict[str, str] = {}
+    key = None
     for item in filter(None, (x.strip() for x in spec.split(","))):
+        if key == "pipeline_partition" and "=" not in item:
+            out[key] += f",{item}"
+            continue
         key, eq, value = item.partition("=")
         key = key.strip().replace("-", "_")
         key = POOL_KEYS.get(key, key)
@@ -92,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers per engine replica (disaggregated: per decode replica)",
     )
     s.add_argument(
+        "--pp",
+        "--pipeline-parallel-size",
+        "--decode-pp",
+        dest="pp",
+        type=int,
+        default=_d("pipeline_parallel_size"),
+        help="pipeline stages per engine replica: the model's layers in contiguous stages of --tp workers each, "
+        "a stage per node for a model bigger than one node (disaggregated: per decode replica)",
+    )
+    s.add_argument(
+        "--pipeline-partition",
+        default=_d("pipeline_partition"),
+        metavar="N,N,...",
+        help="layers per stage, e.g. 14,16 (default: as even as the layer count allows)",
+    )
+    s.add_argument(
         "--replicas",
         "--decode-replicas",
         dest="replicas",
@@ -106,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill pool replicas: > 0 serves disaggregated (decode replicas get long prompts' KV from it)",
     )
     s.add_argument("--prefill-tp", type=int, default=None, help="workers per prefill replica (default: --tp)")
+    s.add_argument("--prefill-pp", type=int, default=None, help="pipeline stages per prefill replica (default: --pp)")
     s.add_argument(
         "--local-prefill-max-tokens",
         type=int,
@@ -244,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="name=NAME,model=PATH,...",
         help="serve several models: one engine deployment per pool (repeat the flag); keys: name (required, "
-        "what clients pass as `model`), model, dtype, replicas, tp, kv-cache-memory-bytes, max-model-len, "
+        "what clients pass as `model`), model, dtype, replicas, tp, pp, pipeline-partition (its commas stay "
+        "in its value: pp=2,pipeline-partition=14,16), kv-cache-memory-bytes, max-model-len, "
         "max-num-seqs, max-num-batched-tokens, max-queued-requests-per-replica, max-queued-requests; a key left "
         "out takes the flag's value. The first pool answers requests that name no model (and TGI routes).",
     )
@@ -266,18 +290,23 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
 
     cores = a.num_cpus or os.cpu_count() or 1
     pools = getattr(a, "model_pools", None)
-    replicas_tp = [
-        (int(p.get("num_replicas") or a.replicas), int(p.get("tensor_parallel_size") or a.tp)) for p in pools or [{}]
+    # (replicas, ranks per replica: tp x pp) of each pool
+    replicas_ranks = [
+        (
+            int(p.get("num_replicas") or a.replicas),
+            int(p.get("tensor_parallel_size") or a.tp) * int(p.get("pipeline_parallel_size") or a.pp),
+        )
+        for p in pools or [{}]
     ]
     if a.prefill_replicas:
-        replicas_tp.append((a.prefill_replicas, a.prefill_tp or a.tp))
-    workers = sum(r * tp for r, tp in replicas_tp)
+        replicas_ranks.append((a.prefill_replicas, (a.prefill_tp or a.tp) * (a.prefill_pp or a.pp)))
+    workers = sum(r * n for r, n in replicas_ranks)
     if getattr(a, "autoscaling", None):  # size CPUs for the most replicas the policy may start
         from router.controller.autoscaling_config import load_autoscaling
 
         most = load_autoscaling(a.autoscaling).pool("engine").max_replicas
-        engine_pools = replicas_tp[:-1] if a.prefill_replicas else replicas_tp  # the prefill pool stays fixed
-        workers = sum(most * tp for _, tp in engine_pools) + sum(r * tp for r, tp in replicas_tp[len(engine_pools) :])
+        engine_pools = replicas_ranks[:-1] if a.prefill_replicas else replicas_ranks  # the prefill pool stays fixed
+        workers = sum(most * n for _, n in engine_pools) + sum(r * n for r, n in replicas_ranks[len(engine_pools) :])
     cpus = max(1.0, cores // workers) if cores >= workers else cores / workers
     return AppConfig(
         model=a.model,
@@ -287,9 +316,12 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         kv_cache_dtype=a.kv_cache_dtype,
         device=a.device,
         tensor_parallel_size=a.tp,
+        pipeline_parallel_size=a.pp,
+        pipeline_partition=a.pipeline_partition,
         num_replicas=a.replicas,
         prefill_replicas=a.prefill_replicas,
         prefill_tensor_parallel_size=a.prefill_tp,
+        prefill_pipeline_parallel_size=a.prefill_pp,
         local_prefill_max_tokens=a.local_prefill_max_tokens,
         kv_transfer_failure=a.kv_transfer_failure,
         kv_cache_memory_bytes=a.kv_cache_memory_bytes,

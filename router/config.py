@@ -14,10 +14,12 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from engine import choices
+from engine.config import ParallelConfig
 from engine.engine_args import EngineArgs as _E
+from engine.pipeline import parse_partition
 from engine.watermark import Watermark
 from router.tiering.settings import TierRouting
 
@@ -30,7 +32,9 @@ class ModelPool(BaseModel):
     """One served model: its own engine deployment, tokenizer and queues. A field left out (or
     null) takes the top-level AppConfig value; AppConfig validates the merged result
     (`AppConfig.pool_configs()`), so the bounds and defaults are AppConfig's own. To serve the
-    embedded model in a pool while the top-level `model` names another, write `model: default`."""
+    embedded model in a pool while the top-level `model` names another, write `model: default`.
+    A pool that sets `pipeline_parallel_size` but no `pipeline_partition` splits its layers
+    evenly (the top-level partition belongs to the top-level stage count)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -39,6 +43,8 @@ class ModelPool(BaseModel):
     dtype: str | None = None  # checked as AppConfig.dtype when the pool is merged (pool_configs)
     quantization: str | None = None  # likewise: a cheaper tier of the same checkpoint (int8, int4:g32, gguf)
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    pipeline_partition: tuple[int, ...] | str | None = None  # "14,16" or [14, 16]; checked when merged
     num_replicas: int | None = None
     kv_cache_memory_bytes: int | None = None
     max_model_len: int | None = None
@@ -53,6 +59,8 @@ class ModelPool(BaseModel):
     def overrides(self) -> dict:
         """The AppConfig fields this pool sets (its served name included)."""
         fields = self.model_dump(exclude={"name"}, exclude_none=True)
+        if "pipeline_parallel_size" in fields:
+            fields.setdefault("pipeline_partition", None)
         return {**fields, "served_model_name": self.name}
 
 
@@ -81,6 +89,17 @@ class AppConfig(BaseModel):
     device: str = Field(_E.device, description="cpu | cuda.")
     tensor_parallel_size: int = Field(
         _E.tensor_parallel_size, ge=1, description="Workers per engine replica (a TP group)."
+    )
+    pipeline_parallel_size: int = Field(
+        _E.pipeline_parallel_size,
+        ge=1,
+        description="Pipeline stages per engine replica: the model's layers split into this many contiguous "
+        "stages, each a tensor_parallel_size group (a stage per node, for models bigger than one node).",
+    )
+    pipeline_partition: tuple[PositiveInt, ...] | None = Field(
+        _E.pipeline_partition,
+        description="Layers per stage, '14,16' or [14, 16]: one count per stage, summing to the model's layers "
+        "(None: as even as the layer count allows).",
     )
     num_replicas: int = Field(1, ge=1, description="Engine replicas behind the router.")
     kv_cache_memory_bytes: int | None = Field(
@@ -289,6 +308,12 @@ class AppConfig(BaseModel):
     prefill_tensor_parallel_size: int | None = Field(
         None, ge=1, description="Workers per prefill replica (default: tensor_parallel_size); may differ from decode's."
     )
+    prefill_pipeline_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="Pipeline stages per prefill replica (default: pipeline_parallel_size, with its "
+        "pipeline_partition; another count splits the layers evenly).",
+    )
     local_prefill_max_tokens: int = Field(
         64,
         ge=0,
@@ -345,6 +370,21 @@ class AppConfig(BaseModel):
             raise ValueError(f"speculative: {e}") from None
         return v
 
+    @field_validator("pipeline_partition", mode="before")
+    @classmethod
+    def _pipeline_partition(cls, v: object) -> object:
+        return parse_partition(v) if isinstance(v, str) else v  # "14,16"; a list is checked as the field's type
+
+    @model_validator(mode="after")
+    def _pipeline(self) -> "AppConfig":
+        ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.pipeline_partition)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per engine replica: a tensor-parallel group per pipeline stage."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     @model_validator(mode="after")
     def _defaults(self) -> "AppConfig":
         # The variable's name, never its value: the config is the router deployment's arguments,
@@ -377,12 +417,15 @@ class AppConfig(BaseModel):
         return self.prefill_replicas > 0
 
     def prefill_pool_config(self) -> "AppConfig":
-        """The prefill pool as a complete AppConfig (its replicas and TP degree, no autoscaling
+        """The prefill pool as a complete AppConfig (its replicas, TP and PP degrees, no autoscaling
         of its own unless the policy file names a `prefill` pool)."""
+        pp = self.prefill_pipeline_parallel_size or self.pipeline_parallel_size
         return self.model_copy(
             update={
                 "num_replicas": self.prefill_replicas,
                 "tensor_parallel_size": self.prefill_tensor_parallel_size or self.tensor_parallel_size,
+                "pipeline_parallel_size": pp,
+                "pipeline_partition": self.pipeline_partition if pp == self.pipeline_parallel_size else None,
                 "replica_resources": self.prefill_replica_resources,
                 "speculative": None,
             }
@@ -506,6 +549,8 @@ class AppConfig(BaseModel):
             "kv_offload_medium": self.kv_offload_medium,
             "kv_offload_dir": self.kv_offload_dir,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "pipeline_partition": self.pipeline_partition,
             "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
             "spare_core_max_tokens": self.spare_core_max_tokens,

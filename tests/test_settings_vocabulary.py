@@ -91,6 +91,29 @@ def test_both_clis_offer_the_vocabulary_and_the_defaults():
     for flag, field in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens")):
         assert engine_flags[flag].default == getattr(EngineArgs, field), flag
     assert router_flags["--scheduling-policy"].choices == list(choices.SCHEDULING_POLICIES)
+    for flag, field in (("--pp", "pipeline_parallel_size"), ("--pipeline-partition", "pipeline_partition")):
+        assert engine_flags[flag].default == router_flags[flag].default == getattr(EngineArgs, field), flag
+        assert AppConfig.model_fields[field].default == getattr(EngineArgs, field), field
+
+
+def test_the_engine_cli_hands_the_pipeline_to_the_engine(monkeypatch):
+    import engine
+    from engine.cli import main
+
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+
+        def generate(self, prompts, params, lora_request=None):
+            return []
+
+    monkeypatch.setattr(engine, "LLM", FakeLLM)
+    assert main(["--prompt", "hi", "--tp", "2", "--pp", "2", "--pipeline-partition", "14,16"]) == 0
+    assert (seen["tensor_parallel_size"], seen["pipeline_parallel_size"], seen["pipeline_partition"]) == (2, 2, "14,16")
+    seen.pop("executor_factory")
+    EngineArgs(**seen)  # every other keyword is an engine setting
 
 
 def test_reasoning_parsers_are_one_vocabulary():

@@ -101,3 +101,27 @@ def test_cluster_serves_only_with_a_key(name):
     assert serve_cfg["http_options"]["host"] == "0.0.0.0"
     assert args.get("api_key_file") and not args.get("allow_unauthenticated")
     assert args["api_key_file"] not in validated(load(name))["file_mounts"]
+
+
+def test_serve_pp_config_spans_two_gpu_tp8_nodes():
+    """deploy/serve-pp.yaml: a replica of 2 stages x 8 GPUs is a PACK group of 16 GPU bundles, a
+    stage per 8-GPU node; gpu-cloud's gpu_tp8 holds a stage (GPUs and CPUs) and has two nodes."""
+    from router.app import engine_deployment_options
+    from router.config import AppConfig
+
+    serve_cfg = load("deploy/serve-pp.yaml")
+    args = serve_cfg["applications"][0]["args"]
+    cfg = AppConfig(**args)
+    assert (cfg.pipeline_parallel_size, cfg.tensor_parallel_size, cfg.device) == (2, 8, "cuda")
+    o = engine_deployment_options(cfg)
+    bundles = o["placement_group_bundles"]
+    assert len(bundles) == 16 and o["placement_group_strategy"] == "PACK"
+    node = validated(load("cluster/gpu-cloud.yaml"))["available_node_types"]["gpu_tp8"]
+    stage = bundles[: cfg.tensor_parallel_size]
+    assert sum(b["GPU"] for b in stage) == node["resources"]["GPU"]
+    assert sum(b["CPU"] for b in stage) <= node["resources"]["CPU"]
+    assert node["max_workers"] >= cfg.pipeline_parallel_size * cfg.num_replicas
+    # A cluster config like deploy/serve-cluster.yaml: 0.0.0.0, so a key file read on the head.
+    assert serve_cfg["http_options"]["host"] == "0.0.0.0"
+    assert args.get("api_key_file") and not args.get("allow_unauthenticated")
+    assert args["router_resources"] == {"node:__internal_head__": 0.001}

@@ -56,6 +56,8 @@ def test_config_round_trips_through_a_dict():
         (dict(models=[{"name": "a", "max_num_seqs": 0}]), "models[0] ('a'): max_num_seqs"),
         (dict(models=[{"name": "a"}, {"name": "b", "dtype": "int8"}]), "models[1] ('b'): dtype"),
         (dict(models=[{"name": "a", "tensor_parallel_size": 0}]), "tensor_parallel_size"),
+        (dict(models=[{"name": "a", "pipeline_parallel_size": 2, "pipeline_partition": "30"}]), "names 1 stages"),
+        (dict(models=[{"name": "a", "pipeline_parallel_size": 2, "pipeline_partition": "a,b"}]), "pipeline_partition"),
         (dict(models=[{"name": "a", "no_such": 1}]), "no_such"),
         (dict(models=[{"model": "/x"}]), "name"),
         (dict(models=[{"name": ""}]), "name"),
@@ -128,6 +130,45 @@ def test_build_app_autoscales_every_pool():
     assert [p.num_replicas for p in AppConfig(**config).pool_configs()] == [2, 2]
 
 
+def test_pool_pipeline_stages():
+    """A pool's own stage count and partition; one that sets a stage count alone splits evenly
+    (the top-level partition is the top-level count's)."""
+    from router.app import engine_deployment_options, required_cpus
+
+    cfg = AppConfig(
+        pipeline_parallel_size=2,
+        pipeline_partition="14,16",
+        models=[
+            {"name": "a"},
+            {"name": "b", "pipeline_parallel_size": 3},
+            {"name": "c", "pipeline_parallel_size": 2, "pipeline_partition": [10, 20], "tensor_parallel_size": 2},
+            {"name": "d", "pipeline_parallel_size": 1},
+        ],
+    )
+    a, b, c, d = cfg.pool_configs()
+    assert [(p.pipeline_parallel_size, p.pipeline_partition) for p in (a, b, c, d)] == [
+        (2, (14, 16)),
+        (3, None),
+        (2, (10, 20)),
+        (1, None),
+    ]
+    assert c.engine_args()["pipeline_partition"] == (10, 20)
+    assert engine_deployment_options(c)["placement_group_strategy"] == "PACK"
+    assert engine_deployment_options(d)["placement_group_strategy"] == "STRICT_PACK"
+    assert required_cpus(cfg) == 2 + 3 + 4 + 1  # a CPU per rank (bundles of >1-rank replicas)
+    assert AppConfig(**cfg.model_dump()).pool_configs() == cfg.pool_configs()
+
+
+def test_prefill_pool_pipeline_stages():
+    cfg = AppConfig(prefill_replicas=1, pipeline_parallel_size=2, pipeline_partition="14,16")
+    same = cfg.prefill_pool_config()
+    assert (same.pipeline_parallel_size, same.pipeline_partition) == (2, (14, 16))
+    other = cfg.model_copy(update={"prefill_pipeline_parallel_size": 1}).prefill_pool_config()
+    assert (other.pipeline_parallel_size, other.pipeline_partition) == (1, None)
+    with pytest.raises(ValidationError):
+        AppConfig(prefill_replicas=1, prefill_pipeline_parallel_size=0)
+
+
 def test_cli_model_pools_and_aliases():
     import argparse
 
@@ -144,12 +185,16 @@ def test_cli_model_pools_and_aliases():
             "name=small,replicas=2,max-num-seqs=4",
             "--model-pool",
             "name=big,model=/m/llama,tp=2,dtype=bfloat16",
+            "--model-pool",
+            "name=huge,pp=2,pipeline-partition=14,16,replicas=1",
             "--alias",
             "chat=small,big",
         ]
     )
     cfg = config_from_args(a)
-    small, big = cfg.pool_configs()
+    small, big, huge = cfg.pool_configs()
+    assert (huge.pipeline_parallel_size, huge.pipeline_partition, huge.tensor_parallel_size) == (2, (14, 16), 1)
+    assert huge.engine_args()["pipeline_parallel_size"] == 2 and small.pipeline_parallel_size == 1
     assert (small.model_name, small.num_replicas, small.max_num_seqs, small.tensor_parallel_size) == ("small", 2, 4, 1)
     assert (big.model_name, big.model, big.tensor_parallel_size, big.dtype, big.max_num_seqs) == (
         "big",
@@ -159,8 +204,13 @@ def test_cli_model_pools_and_aliases():
         16,
     )
     assert cfg.aliases == {"chat": ["small", "big"]}
-    assert cfg.cpus_per_worker == 2.0  # 8 cores over 2 + 2 workers
-    for bad in ("model=/x", "name=a,colour=red", "name=a,replicas"):
+    assert cfg.cpus_per_worker == 1.0  # 8 cores over 2 + 2 + 2 ranks
+    assert parse_model_pool("name=x,pipeline_partition=1, 2,3,pp=3") == {
+        "name": "x",
+        "pipeline_partition": "1,2,3",
+        "pipeline_parallel_size": "3",
+    }
+    for bad in ("model=/x", "name=a,colour=red", "name=a,replicas", "name=a,tp=2,4"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_model_pool(bad)
     for bad in ("chat", "chat=", "=a,b"):

@@ -192,6 +192,75 @@ def test_engine_deployment_options():
     assert required_cpus(AppConfig(tensor_parallel_size=3, num_replicas=2, cpus_per_worker=0.5)) == 6.0
 
 
+def test_pipeline_stages_get_a_bundle_per_rank_packed_by_node():
+    """pp stages x tp ranks: pp*tp bundles alike (stage s takes [s*tp, (s+1)*tp)), PACK so Ray puts
+    each node's share together; one stage stays STRICT_PACK (one node)."""
+    from router.app import engine_deployment_options, required_cpus
+
+    cfg = AppConfig(device="cuda", tensor_parallel_size=2, pipeline_parallel_size=2, replica_resources={"big": 1})
+    o = engine_deployment_options(cfg)
+    assert o["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0, "big": 1}] + [{"CPU": 1.0, "GPU": 1.0}] * 3
+    assert o["placement_group_strategy"] == "PACK" and o["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert cfg.world_size == 4 and cfg.engine_args()["pipeline_parallel_size"] == 2
+    # pp > 1 at tp=1: a rank actor per stage, so every bundle has at least one CPU.
+    two = engine_deployment_options(AppConfig(pipeline_parallel_size=2, cpus_per_worker=0.5))
+    assert two["placement_group_bundles"] == [{"CPU": 1.0}] * 2 and two["placement_group_strategy"] == "PACK"
+    one = engine_deployment_options(AppConfig(tensor_parallel_size=2, pipeline_parallel_size=1))
+    assert len(one["placement_group_bundles"]) == 2 and one["placement_group_strategy"] == "STRICT_PACK"
+    assert required_cpus(AppConfig(tensor_parallel_size=2, pipeline_parallel_size=3, num_replicas=2)) == 12.0
+
+
+@pytest.mark.parametrize(
+    "pp, partition, words",
+    [
+        (2, "14,16,1", "names 3 stages"),  # one count per stage
+        (3, [10, 20], "names 2 stages"),
+        (2, "14,x", "layer counts like '14,16'"),
+        (2, "14.5,16", "layer counts like '14,16'"),
+        (2, [14.5, 16], "valid integer"),
+        (2, "0,30", "greater than 0"),
+    ],
+)
+def test_bad_pipeline_partition_is_a_validation_error(pp, partition, words):
+    with pytest.raises(ValidationError, match=words):
+        AppConfig(pipeline_parallel_size=pp, pipeline_partition=partition)
+
+
+def test_pipeline_partition_takes_a_string_or_a_list():
+    for given in ("14,16", " 14, 16 ", [14, 16], (14, 16)):
+        cfg = AppConfig(pipeline_parallel_size=2, pipeline_partition=given)
+        assert cfg.pipeline_partition == (14, 16) and cfg.engine_args()["pipeline_partition"] == (14, 16)
+    assert AppConfig(**cfg.model_dump()) == cfg  # the router replicas rebuild it from a dict
+    assert AppConfig(pipeline_partition="").pipeline_partition is None  # an even split
+    with pytest.raises(ValidationError):
+        AppConfig(pipeline_parallel_size=0)
+
+
+def test_cli_pipeline_flags_reach_the_engine():
+    from engine.engine_args import EngineArgs
+    from router.app import build_app
+    from router.cli import build_parser, config_from_args
+
+    a = build_parser().parse_args(
+        ["serve", "--num-cpus", "8", "--tp", "2", "--pp", "2", "--pipeline-partition", "14,16"]
+    )
+    cfg = config_from_args(a)
+    assert (cfg.pipeline_parallel_size, cfg.pipeline_partition) == (2, (14, 16))
+    assert cfg.cpus_per_worker == 2.0  # 8 cores over 2 x 2 ranks
+    (engine,) = build_app(cfg)._bound_deployment.init_args[0].values()
+    kwargs = engine._bound_deployment.init_args[0]
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"], kwargs["pipeline_partition"]) == (
+        2,
+        2,
+        (14, 16),
+    )
+    EngineArgs(**kwargs)  # the replica's engine takes them as they are
+    placement = engine._bound_deployment._replica_config
+    assert len(placement.placement_group_bundles) == 4 and placement.placement_group_strategy == "PACK"
+    plain = config_from_args(build_parser().parse_args(["serve"]))
+    assert (plain.pipeline_parallel_size, plain.pipeline_partition) == (1, None)
+
+
 def test_engine_omp_wait_leaves_the_users_choice(monkeypatch):
     import router.serve_tuning as st
 
@@ -204,7 +273,7 @@ def test_engine_omp_wait_leaves_the_users_choice(monkeypatch):
     assert st.engine_omp_wait({"num_cpus": 1}) == {"num_cpus": 1}
 
 
-@pytest.mark.parametrize("config", ["serve.yaml", "serve-pd.yaml"])
+@pytest.mark.parametrize("config", ["serve.yaml", "serve-pd.yaml", "serve-pp.yaml"])
 def test_serve_yaml_builds_the_app(config):
     """What `serve run deploy/<config>` does with import_path + args (no cluster needed)."""
     from ray._common.utils import import_attr
