@@ -215,6 +215,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    def rank_pids(self) -> list[int]:
+        """The engine's rank processes, rank 0 (this one) first."""
+        return self.engine.core.executor.rank_pids()
+
     def check_health(self, stuck_after_s: float) -> None:
         """Raise EngineDeadError when the loop died, a step has not returned for `stuck_after_s`
         (a hung collective or device), or a worker of the executor is gone. Blocks for up to the

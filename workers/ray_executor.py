@@ -117,6 +117,7 @@ class RayExecutor(Executor):
             self._bytes_per_block = self.rank0.init_kv_cache(self.num_blocks)
             ray.get(inits, timeout=t)
             self.num_offload_slots = self.rank0.runner.offload_slots()  # each rank's store has these
+            self._pids = [os.getpid()] + ray.get([w.pid.remote() for w in self.workers], timeout=t)
         except BaseException:
             self.shutdown()
             raise
@@ -171,6 +172,9 @@ class RayExecutor(Executor):
             raise EngineDeadError(f"a {self._ranks_word()} did not answer its health ping within 10 s") from None
         except Exception as e:
             self._fail(e)
+
+    def rank_pids(self) -> list[int]:
+        return list(self._pids)
 
     def kv_bytes_per_block(self) -> int:
         return self._bytes_per_block

@@ -97,6 +97,9 @@ class TPWorker(RankRunner):
     def ping(self) -> int:
         return self.rank
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def info(self) -> dict:
         import ray
 

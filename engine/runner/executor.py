@@ -8,6 +8,7 @@ its engine class. The default factory runs tp=1 in this process and refuses tp>1
 from __future__ import annotations
 
 import abc
+import os
 from typing import Callable
 
 import torch
@@ -37,6 +38,10 @@ class Executor(abc.ABC):
 
     def check_health(self) -> None:
         """Raise EngineDeadError when a worker is gone."""
+
+    def rank_pids(self) -> list[int]:
+        """The process of each rank, rank 0 first (operators: which processes serve a replica)."""
+        return [os.getpid()]
 
     def shutdown(self) -> None:
         pass

@@ -324,6 +324,7 @@ class EngineReplica:
         s.update(self.counters)
         s["replica_id"] = self.replica_id
         s["pid"] = os.getpid()
+        s["rank_pids"] = self.engine.rank_pids()
         s["node_id"] = self.node_id
         s["channel_messages"] = self.channel_messages
         s["router_lease_expiries"] = self.lease_expiries
