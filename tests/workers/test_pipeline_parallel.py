@@ -130,6 +130,19 @@ def test_micro_batches_overlap(three_nodes, four_layers, reference):
         llm.shutdown()
 
 
+def test_preemption_under_a_small_pool(three_nodes, four_layers, reference):
+    """A pool too small for every request at once: preempted requests are recomputed across
+    both stages and still give the reference tokens."""
+    llm = LLM(str(four_layers), pipeline_parallel_size=2, **{**ARGS, "num_blocks": 24})
+    try:
+        got = _generate(llm, PROMPTS * 2)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    _assert_same(got, reference * 2)
+    assert stats["num_preemptions"] > 0, stats
+
+
 def test_kv_handoff_covers_every_stage(three_nodes, four_layers):
     """Blocks read from a pp=2 engine equal the pp=1 engine's for the same prompt (every layer,
     every head), and written back into the pp=2 engine they read the same again."""

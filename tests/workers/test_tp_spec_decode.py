@@ -86,3 +86,20 @@ def test_tp3_with_self_drafting_equals_tp1_without(ray_local, expected):
         llm.shutdown()
     assert got == expected and again == expected
     assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_pp2_speculative_and_structured_equal_pp1_without(ray_local, expected, expected_structured):
+    """Two pipeline stages of 15 layers: the drafts and the grammar's bitmasks reach the last
+    stage, which samples; the first stage learns the accepted tokens with the next step."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(pipeline_parallel_size=2, speculative_config=spec, **ARGS)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        structured = llm.generate(STRUCTURED_PROMPTS, STRUCTURED, use_tqdm=False)
+        stats = llm.stats()
+    finally:
+        llm.shutdown()
+    assert got == expected
+    assert [o.outputs[0].token_ids for o in structured] == expected_structured
+    assert stats["spec_num_draft_tokens"] > 0 and stats["spec_num_accepted_tokens"] > 0, stats
+    assert stats["blocks_used"] == 0
