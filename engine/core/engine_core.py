@@ -88,8 +88,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Launch steps while fewer than `max_in_flight` are in flight and a new one has work to
         run, then complete the oldest and return its outputs: outputs come in launch order. With
-        `max_in_flight` 1: schedule, run, update. The scheduler keeps a request out of every step
-        but one in flight (Scheduler.in_pipe)."""
+        `max_in_flight` 1: schedule, run, update. A request is in one step in flight at most
+        (Scheduler.in_pipe)."""
         pipe = self._pipe
         if not pipe:
             step = self.begin_step()
