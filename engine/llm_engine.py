@@ -217,8 +217,10 @@ class LLMEngine:
 
     def core_step(self) -> list[EngineCoreOutput]:
         """One step's token outputs: plain, or overlapped (`overlap_text`) when the step in
-        flight is completed and the next one launched before returning."""
-        if not self.overlap_text:
+        flight is completed and the next one launched before returning. With pipeline
+        micro-batches the core keeps its own steps in flight (EngineCore.step), which overlaps
+        the text the same way."""
+        if not self.overlap_text or self.core.max_in_flight > 1:
             return self.core.step()
         step = self._in_flight or self.core.begin_step()
         self._in_flight = None
@@ -229,7 +231,7 @@ class LLMEngine:
 
     @property
     def step_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return self._in_flight is not None or self.core.num_in_flight > 0
 
     def process_core_outputs(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
         """Token ids -> text for requests added here; a matched stop string ends its sequence."""
@@ -242,7 +244,7 @@ class LLMEngine:
         return request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._children) or self.core.has_unfinished_requests() or self._in_flight is not None
+        return bool(self._children) or self.core.has_unfinished_requests() or self.step_in_flight
 
     def stats(self) -> dict:
         return self.core.stats()

@@ -59,6 +59,10 @@ class EngineStats:
     offload_blocks_dropped: int = 0
     offload_load_failures: int = 0
     num_waiting_for_offload: int = 0
+    # Engine steps launched and not yet completed (pipeline micro-batches: up to the executor's
+    # max_concurrent_batches), now and the most seen at once.
+    num_steps_in_flight: int = 0
+    max_steps_in_flight: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

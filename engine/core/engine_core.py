@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -59,6 +61,11 @@ class EngineCore:
         self.kv_layout = executor.kv_layout()
         self.kv_events = KVEventLog()  # the prefix-cache hashes held here, for cache-aware routing
         self.fatal_suspects: set[str] = set()  # requests first run in the step that killed the engine
+        # Steps launched and not completed, oldest first: up to `max_in_flight` when the executor
+        # runs pipeline micro-batches (each stage busy with its own step), else one at a time.
+        self._pipe: deque[StepInFlight] = deque()
+        self.max_in_flight = max(1, executor.max_concurrent_batches)
+        self.max_in_flight_seen = 0
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -74,8 +81,30 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._pipe)
+
     def step(self) -> list[EngineCoreOutput]:
-        return self.finish_step(self.begin_step())
+        """Launch steps while fewer than `max_in_flight` are in flight and a new one has work to
+        run, then complete the oldest and return its outputs: outputs come in launch order. With
+        `max_in_flight` 1: schedule, run, update. A request is in one step in flight at most
+        (Scheduler.in_pipe)."""
+        pipe = self._pipe
+        if not pipe:
+            step = self.begin_step()
+            if step.outputs is not None:  # it ran nothing, or failed at launch
+                return step.outputs
+            pipe.append(step)
+        while len(pipe) < self.max_in_flight and self.scheduler.can_launch():
+            so = self.scheduler.schedule()
+            self.publish_kv_events()
+            if so.only_forgets:  # nothing new to run: its ids to forget go with the next step
+                self.scheduler.carry(so)
+                break
+            pipe.append(self._launch(so))
+        self.max_in_flight_seen = max(self.max_in_flight_seen, len(pipe))
+        return self.finish_step(pipe.popleft())
 
     def begin_step(self) -> StepInFlight:
         """Schedule and launch a step: on CUDA the model's work is queued and this returns before
@@ -87,6 +116,9 @@ class EngineCore:
         self.publish_kv_events()
         if not so.needs_run:
             return StepInFlight(so, outputs=self.scheduler.update_from_output(so, _EMPTY))
+        return self._launch(so)
+
+    def _launch(self, so: SchedulerOutput) -> StepInFlight:
         if self.step_threads is not None:
             self.step_threads.apply(so.total_num_scheduled_tokens)
         t0 = time.perf_counter()
@@ -102,7 +134,8 @@ class EngineCore:
         try:
             mro = step.complete()
         except Exception as e:
-            return self._step_failed(so, e)
+            later = [] if isinstance(e, EngineDeadError) else self._abandon_pipe()
+            return self._step_failed(so, e) + later
         self.scheduler.observe_step_time(so, time.perf_counter() - step.started)
         outputs = self.scheduler.update_from_output(so, mro)
         self._export_kv(outputs)
@@ -114,6 +147,29 @@ class EngineCore:
         if outputs is None:
             self.fatal_suspects = {r.request_id for r in so.new_requests}
             raise e
+        return outputs
+
+    def _abandon_pipe(self) -> list[EngineCoreOutput]:
+        """A step failed: the steps launched after it are completed, their results dropped and
+        their requests rolled back, newest first (Scheduler.roll_back). Returns the outputs of
+        those that had failed at launch (rolled back then)."""
+        steps, outputs, results = list(self._pipe), [], []
+        self._pipe.clear()
+        for step in steps:
+            mro = None
+            if step.outputs is not None:
+                outputs += step.outputs
+            else:
+                try:
+                    mro = step.complete()
+                except EngineDeadError:
+                    raise
+                except Exception:  # noqa: BLE001 - rolled back below like the others
+                    pass
+            results.append(mro)
+        for step, mro in reversed(list(zip(steps, results))):
+            if step.outputs is None:
+                self.scheduler.roll_back(step.so, mro)
         return outputs
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
@@ -161,10 +217,14 @@ class EngineCore:
         self.kv_events.publish(self.scheduler.kv_cache_manager.block_pool.events.take())
 
     def snapshot(self) -> EngineStats:
-        return self.scheduler.snapshot()
+        return dataclasses.replace(
+            self.scheduler.snapshot(),
+            num_steps_in_flight=len(self._pipe),
+            max_steps_in_flight=self.max_in_flight_seen,
+        )
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        return self.snapshot().as_dict()
 
     def shutdown(self) -> None:
         self.executor.shutdown()

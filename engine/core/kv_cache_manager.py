@@ -202,8 +202,9 @@ class KVCacheManager:
                 self.block_pool.uncache(block)
 
     def _remember_partial(self, request: Request, blocks: list[KVCacheBlock]) -> None:
-        """`num_computed_tokens` counts exactly the KV written (steps run synchronously; a
-        request waiting for remote KV counts only its hits), so its first slots are valid."""
+        """`num_computed_tokens` counts exactly the KV written, or scheduled in a step launched
+        before any that reads the block (each stage runs steps in launch order; a request
+        waiting for remote KV counts only its hits), so its first slots are valid."""
         if not self.can_share(request):
             return
         index, filled = divmod(request.num_computed_tokens, self.block_size)
@@ -227,11 +228,18 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def release_copy_sources(self) -> None:
-        """The step has run: the blocks copied from are no longer held."""
-        if self._pinned:
-            self.block_pool.free_blocks(self._pinned)
-            self._pinned = []
+    def release_copy_sources(self, block_ids: Iterable[int] | None = None) -> None:
+        """A step has run: the blocks it copied from (the sources of its `kv_copies`; None: every
+        block held as a source) are no longer held. Other steps in flight keep theirs."""
+        if block_ids is None:
+            done, self._pinned = self._pinned, []
+        else:
+            done = []
+            for block_id in block_ids:
+                i = next(i for i, b in enumerate(self._pinned) if b.block_id == block_id)
+                done.append(self._pinned.pop(i))
+        if done:
+            self.block_pool.free_blocks(done)
 
     def trim(self, request: Request, num_tokens: int) -> int | None:
         """Free the request's blocks past those holding its first `num_tokens` tokens (KV of

@@ -69,10 +69,14 @@ class Scheduler:
         )
         # The offload tier's loads and the requests waiting for them (None: off).
         self.offload = self.kv_cache_manager.offload
-        self._offload_in_flight: tuple[list, list[str]] = ([], [])  # the last step's loads, their requests
+        # Steps in flight with offload loads: id(so) -> (so, the request of each of its loads).
+        self._offload_in_flight: dict[int, tuple[SchedulerOutput, list[str]]] = {}
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; the last one is preempted first
+        # Requests in a step launched and not yet done (several with pipeline micro-batches): not
+        # scheduled again, nor preempted, until its output is in (update_from_output).
+        self.in_pipe: set[str] = set()
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # errors found outside a step
         # Prompt logprobs arrive chunk by chunk; they are emitted once the prompt is complete.
@@ -89,7 +93,7 @@ class Scheduler:
         self.remote = RemotePrefill(kv_transfer, self.kv_cache_manager) if kv_transfer is not None else None
         self.exports = KVExports(self.kv_cache_manager)
         self.faults = StepFaults()
-        self._fault_preempted: set[str] = set()  # rolled back after a failed step: the runner drops them
+        self._preempted_unsent: set[str] = set()  # preempted outside schedule(): the next step tells the runner
         # Multi-LoRA (None: off): adapter slots pinned by running requests (engine/lora/slots.py).
         self.lora = AdapterSlots(lora_config) if lora_config is not None else None
 
@@ -190,11 +194,17 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
+    def _outside_pipe(self) -> list[Request]:
+        """The running requests no step in flight holds (the ones a new step may schedule)."""
+        return [r for r in self.running if r.request_id not in self.in_pipe] if self.in_pipe else self.running
+
     def _pick_victim(self) -> Request:
-        """Newest running request, or under "priority" the least important (then newest)."""
+        """Newest running request, or under "priority" the least important (then newest); never
+        one in a step in flight (its step would write blocks given to another)."""
+        candidates = self._outside_pipe()
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
 
     def _preempt(self, req: Request, count: bool = True) -> None:
         self.kv_cache_manager.free(req)
@@ -247,13 +257,13 @@ class Scheduler:
             self.waiting.appendleft(suspect)
         drafts = {}
         if self.drafting is not None and suspect is None:
-            drafts = self.drafting.propose(self.running, self.waiting)
+            drafts = self.drafting.propose(self._outside_pipe(), self.waiting)
 
         # 1. Running requests, oldest first.
         i = 0
         while suspect is None and i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, budget)
+            n = self._num_new_tokens(req, budget) if req.request_id not in self.in_pipe else 0
             if n <= 0:
                 i += 1
                 continue
@@ -379,15 +389,35 @@ class Scheduler:
             out.lora_loads, out.lora_evictions = self.lora.take_changes()
         if self.offload is not None:
             out.kv_saves, out.kv_loads, owners = self.offload.take_ops()
-            self._offload_in_flight = (out.kv_loads, owners)
-        out.preempted_request_ids = {r.request_id for r in preempted} | self._fault_preempted
-        self._fault_preempted = set()
+            if out.kv_loads:
+                self._offload_in_flight[id(out)] = (out, owners)
+        out.preempted_request_ids = {r.request_id for r in preempted} | self._preempted_unsent
+        self._preempted_unsent = set()
         out.finished_request_ids = self.finished_req_ids
         self.finished_req_ids = set()
         if self._truncated:
             out.truncated_block_tables, self._truncated = self._truncated, {}
+        self.in_pipe.update(out.num_scheduled_tokens)
         self.num_steps += 1
         return out
+
+    def can_launch(self) -> bool:
+        """A step scheduled now could run something: a request waits, or one runs outside the
+        steps in flight (it may still find no room; then `carry` takes its schedule back)."""
+        return bool(self.waiting) or any(r.request_id not in self.in_pipe for r in self.running)
+
+    def carry(self, so: SchedulerOutput) -> None:
+        """`so` is not launched: it runs nothing while other steps are in flight. What the runner
+        must forget goes with the next step (SchedulerOutput.only_forgets)."""
+        self.finished_req_ids |= so.finished_request_ids
+        self._preempted_unsent |= so.preempted_request_ids
+
+    def _step_done(self, so: SchedulerOutput, failed_loads: set[int]) -> None:
+        """The step of `so` is over, run or failed: its requests leave the pipe, the blocks it
+        copied from are let go, its offload loads end (`failed_loads`: indices that failed)."""
+        self.in_pipe.difference_update(so.num_scheduled_tokens)
+        self.kv_cache_manager.release_copy_sources(src for src, _, _ in so.kv_copies)
+        self._offload_loads_done(so, failed_loads)
 
     def _acquire_adapter(self, req: Request) -> bool:
         """Pin a slot for the request's adapter (a request of the base model needs none)."""
@@ -401,8 +431,7 @@ class Scheduler:
         """The step of `so` raised `error` (step_faults.py): roll back every request it ran, fail
         the culprit or quarantine the suspects. Returns the outputs to hand out (the culprit's
         error), or None when the fault is the step's own (the caller re-raises)."""
-        self.kv_cache_manager.release_copy_sources()
-        self._offload_loads_done(set(range(len(so.kv_loads))))  # none is trusted: recomputed
+        self._step_done(so, set(range(len(so.kv_loads))))  # no load is trusted: recomputed
         scheduled = [rid for rid in so.num_scheduled_tokens if rid in self.requests]
         new_ids = [r.request_id for r in so.new_requests if r.request_id in self.requests]
         culprit, suspects = self.faults.suspects(new_ids, scheduled)
@@ -425,7 +454,7 @@ class Scheduler:
                 )
             else:
                 self._preempt(req, count=False)
-                self._fault_preempted.add(rid)
+                self._preempted_unsent.add(rid)
         self.faults.quarantined.update(suspects)
         if self.lora is not None:
             self.lora.unplace(so.lora_loads)
@@ -438,16 +467,34 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
+    def roll_back(self, so: SchedulerOutput, mro: ModelRunnerOutput | None) -> None:
+        """Drop the results of a step launched after one that failed (`mro`: its output, None if
+        it raised too): it may have read KV the failed step never wrote (a prefix hit or a tail
+        copy of a block that step was to fill). Its requests are recomputed from scratch with
+        none of their blocks kept in the prefix cache. Roll back the newest step first, so the
+        failed step's blocks are no longer shared when its own requests let go of them."""
+        self._step_done(so, set(mro.kv_load_failed) if mro is not None else set(range(len(so.kv_loads))))
+        for rid in so.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = 0  # free() then unpublishes all its blocks, remembers no tail
+            self.running.remove(req)
+            self._preempt(req, count=False)
+            self._preempted_unsent.add(rid)
+        if mro is None and self.lora is not None:
+            self.lora.unplace(so.lora_loads)
+
     # --- the offload tier (engine/kv_offload/) ---------------------------------------------
 
-    def _offload_loads_done(self, failed: set[int]) -> None:
-        """The last step's loads ran (`failed`: indices of those that did not): their requests
-        go back to the head of the queue holding their blocks."""
-        loads, owners = self._offload_in_flight
-        if not loads:
+    def _offload_loads_done(self, so: SchedulerOutput, failed: set[int]) -> None:
+        """The loads of the step of `so` ran (`failed`: indices of those that did not): their
+        requests go back to the head of the queue holding their blocks."""
+        entry = self._offload_in_flight.pop(id(so), None)  # the entry holds `so`: its id is not reused
+        if entry is None:
             return
-        self._offload_in_flight = ([], [])
-        for req in reversed(self.offload.loads_done(self.kv_cache_manager, loads, owners, failed)):
+        _, owners = entry
+        for req in reversed(self.offload.loads_done(self.kv_cache_manager, so.kv_loads, owners, failed)):
             self.waiting.appendleft(req)
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
@@ -488,9 +535,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        self.kv_cache_manager.release_copy_sources()
         mro = model_runner_output
-        self._offload_loads_done(set(mro.kv_load_failed))
+        self._step_done(scheduler_output, set(mro.kv_load_failed))
         self.faults.step_ok(scheduler_output.num_scheduled_tokens)
         index = {rid: i for i, rid in enumerate(mro.request_ids)}
         for rid in scheduler_output.num_scheduled_tokens:

@@ -84,6 +84,17 @@ class SchedulerOutput:
             or self.has_lora_changes
         )
 
+    @property
+    def only_forgets(self) -> bool:
+        """Nothing for the runner but requests to forget: a later step can carry those."""
+        return not (
+            self.total_num_scheduled_tokens
+            or self.kv_saves
+            or self.kv_loads
+            or self.has_lora_changes
+            or self.truncated_block_tables
+        )
+
 
 @dataclass
 class ModelRunnerOutput:
