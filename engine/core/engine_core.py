@@ -64,8 +64,18 @@ class EngineCore:
         # Steps launched and not completed, oldest first: up to `max_in_flight` when the executor
         # runs pipeline micro-batches (each stage busy with its own step), else one at a time.
         self._pipe: deque[StepInFlight] = deque()
-        self.max_in_flight = max(1, executor.max_concurrent_batches)
+        self.max_in_flight = executor.max_concurrent_batches
         self.max_in_flight_seen = 0
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.scheduler.micro_batches
+
+    @max_in_flight.setter
+    def max_in_flight(self, n: int) -> None:
+        """Steps kept in flight (at most the executor's max_concurrent_batches; 1 turns the
+        micro-batches off, as bench/bench_pp.py compares)."""
+        self.scheduler.micro_batches = max(1, min(n, self.executor.max_concurrent_batches))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

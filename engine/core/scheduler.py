@@ -77,6 +77,9 @@ class Scheduler:
         # Requests in a step launched and not yet done (several with pipeline micro-batches): not
         # scheduled again, nor preempted, until its output is in (update_from_output).
         self.in_pipe: set[str] = set()
+        # Steps the pipe holds (EngineCore.max_in_flight). Above 1 a step takes at most its share
+        # of the requests, so the next step has some too and every stage keeps busy.
+        self.micro_batches = 1
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self._pending_outputs: list[EngineCoreOutput] = []  # errors found outside a step
         # Prompt logprobs arrive chunk by chunk; they are emitted once the prompt is complete.
@@ -260,8 +263,9 @@ class Scheduler:
             drafts = self.drafting.propose(self._outside_pipe(), self.waiting)
 
         # 1. Running requests, oldest first.
+        share = -(-(len(self.running) + len(self.waiting)) // self.micro_batches)
         i = 0
-        while suspect is None and i < len(self.running) and budget > 0:
+        while suspect is None and i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < share:
             req = self.running[i]
             n = self._num_new_tokens(req, budget) if req.request_id not in self.in_pipe else 0
             if n <= 0:
@@ -312,6 +316,7 @@ class Scheduler:
                 self.waiting
                 and budget > 0
                 and len(self.running) + self.num_waiting_for_remote_kv < self.config.max_num_seqs
+                and len(out.num_scheduled_tokens) < share
                 and (suspect is None or self.waiting[0] is suspect)
             ):
                 req = self.waiting[0]
