@@ -24,6 +24,7 @@ import torch
 from engine.layers.attention.cpu_paged import CpuPagedAttentionBackend
 from engine.layers.packed_gemm import OP_ROWS, _vector_ops, small_linear_ops, small_rows
 from engine.model.llama_layers import LlamaDecoderLayer
+from engine.model.pipeline_stage import MissingLayer
 from engine.runner.forward_context import get_attn_metadata
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ def _linear_candidate(module: torch.nn.Module) -> tuple | None:
 def _elementwise_ops_apply(ops: object, model: LlamaModel) -> bool:
     """Whether rms_norm, rotary and silu_and_mul take this model's rows (each declines some head
     sizes and widths, and the layers then run PyTorch's version): asked once, on a dummy row."""
-    layer = model.layers[0]
-    sa, dtype = layer.self_attn, model.norm.weight.dtype
+    layer = _local_layers(model)[0]
+    sa, dtype = layer.self_attn, layer.input_layernorm.weight.dtype
     hidden = layer.input_layernorm.weight.shape[0]
     width = (sa.qkv_proj.num_heads + 2 * sa.qkv_proj.num_kv_heads) * sa.head_dim
     inter = sum(layer.mlp.gate_up_proj.output_sizes) // 2
@@ -98,6 +99,11 @@ def _elementwise_ops_apply(ops: object, model: LlamaModel) -> bool:
     )
 
 
+def _local_layers(model: LlamaModel) -> list[torch.nn.Module]:
+    """The decoder layers this pipeline stage holds (all at pp=1)."""
+    return [layer for layer in model.layers if not isinstance(layer, MissingLayer)]
+
+
 def _linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
@@ -107,9 +113,9 @@ class FusedDecode:
     decoder layer, or None where this step is not one it covers."""
 
     def __init__(self, model: LlamaModel, program: object, max_rows: int) -> None:
-        self.layers = list(model.layers)
+        self.layers = _local_layers(model)
         self.program = program
-        self.dtype = model.norm.weight.dtype
+        self.dtype = self.layers[0].input_layernorm.weight.dtype
         self.max_rows = max_rows  # the fewest rows any of its linears' few-row ops take
 
     @staticmethod
@@ -117,10 +123,12 @@ class FusedDecode:
         if os.environ.get("ORBITAL_FUSED_DECODE", "1") == "0":
             return None
         ops = small_linear_ops()
-        if ops is None or not hasattr(ops, "DecodeLayers") or model.norm.weight.device.type != "cpu":
+        layers = _local_layers(model)
+        dtype = layers[0].input_layernorm.weight.dtype
+        if ops is None or not hasattr(ops, "DecodeLayers") or layers[0].input_layernorm.weight.device.type != "cpu":
             return None
         norms, parts, rows = [], [], []
-        for layer in model.layers:
+        for layer in layers:
             if not isinstance(layer, LlamaDecoderLayer):
                 return None  # Gemma's (model/gemma.py): four (1 + weight) norms, GeGLU
             if not hasattr(layer.mlp, "gate_up_proj"):
@@ -130,18 +138,16 @@ class FusedDecode:
             attn = layer.self_attn
             if not isinstance(attn.attn.backend, CpuPagedAttentionBackend) or not attn.llama_math:
                 return None
-            got = [_linear_parts(m, model.norm.weight.dtype) for m in _linears(layer)]
+            got = [_linear_parts(m, dtype) for m in _linears(layer)]
             if any(p is None for p in got):
                 return None
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             parts += got
             rows += [_few_rows(m.weight, p[1]) for m, p in zip(_linears(layer), got)]
-        sa = model.layers[0].self_attn
+        sa = layers[0].self_attn
         if not _elementwise_ops_apply(ops, model):
             return None
-        eps = {layer.input_layernorm.eps for layer in model.layers} | {
-            layer.post_attention_layernorm.eps for layer in model.layers
-        }
+        eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         if len(eps) != 1:
             return None
         from engine.layers.quant.int4_format import pack_layout

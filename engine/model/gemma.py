@@ -62,8 +62,6 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    stage_width = 1  # a pipeline stage hands on the hidden state alone (no residual stream)
-
     def __init__(self, config: PretrainedConfig, arch: Architecture, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.pp = pp = get_pp_group()
@@ -88,8 +86,8 @@ class GemmaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale if intermediate is None else intermediate[0]
+        x = self.embed_tokens(input_ids) * self.embed_scale if intermediate is None else intermediate
         for layer in self.layers:
             if not isinstance(layer, MissingLayer):
                 x = layer(positions, x)
-        return self.norm(x) if self.pp.is_last else x.unsqueeze(0)
+        return self.norm(x) if self.pp.is_last else x

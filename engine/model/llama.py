@@ -32,7 +32,7 @@ from engine.model.fused_checkpoint import RowWindow, row_window
 from engine.model.fused_decode import FusedDecode
 from engine.model.gemma import GemmaModel
 from engine.model.llama_layers import LlamaDecoderLayer, head_dim_of
-from engine.model.pipeline_stage import MissingLayer, holds_weight, stage_input
+from engine.model.pipeline_stage import MissingLayer, holds_weight
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -48,9 +48,6 @@ _STACKED = [
 
 
 class LlamaModel(nn.Module):
-    # A pipeline stage hands on (hidden, residual): the next layer's add-and-norm takes both.
-    stage_width = 2
-
     def __init__(self, config: PretrainedConfig, arch: Architecture, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.pp = pp = get_pp_group()
@@ -64,28 +61,28 @@ class LlamaModel(nn.Module):
         )
         if pp.is_last:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        # False: not built yet (weights load first); the fused step runs whole models only.
-        self._fused: FusedDecode | None | bool = False if pp.size == 1 else None
+        self._fused: FusedDecode | None | bool = False  # False: not built yet (weights load first)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The final hidden states; on a stage before the last, (hidden, residual) stacked for
-        the next stage, which passes them as `intermediate`."""
-        if intermediate is None:
-            x = self.embed_tokens(input_ids)
+        """The final hidden states; on a stage before the last, the residual stream after its
+        layers (hidden + residual: the next layer's add-and-norm would add them first), which the
+        next stage passes as `intermediate` and starts from as a first layer starts from the
+        embedding."""
+        x = self.embed_tokens(input_ids) if intermediate is None else intermediate
         if self._fused is False:
             self._fused = FusedDecode.for_model(self)
         fused = self._fused.run(x, positions) if self._fused is not None else None
         if fused is not None:
             x, residual = fused
         else:
-            x, residual = stage_input(intermediate, 2) if intermediate is not None else (x, None)
+            residual = None
             for layer in self.layers:
                 if not isinstance(layer, MissingLayer):
                     x, residual = layer(positions, x, residual)
         if not self.pp.is_last:
-            return torch.stack([x, residual])
+            return x + residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -108,11 +105,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype)
             if self.tie_word_embeddings:
                 self.lm_head.tie(self.model.embed_tokens)
-
-    @property
-    def stage_width(self) -> int:
-        """Tensors of [tokens, hidden] a stage before the last hands on (engine/pipeline.py)."""
-        return self.model.stage_width
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate: torch.Tensor | None = None

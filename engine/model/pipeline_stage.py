@@ -5,7 +5,6 @@ indices and checkpoint names stay the model's own."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from engine.pipeline import PPGroup
@@ -29,9 +28,3 @@ def holds_weight(name: str, pp: PPGroup, tied: bool) -> bool:
     if name.startswith("model.norm.") or name.startswith("lm_head."):
         return pp.is_last
     return True
-
-
-def stage_input(intermediate: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The previous stage's output as (hidden, residual): `width` 2 carries both, 1 the hidden
-    state only (Gemma adds its residuals inside each layer)."""
-    return (intermediate[0], intermediate[1]) if width == 2 else (intermediate[0], None)

@@ -376,14 +376,14 @@ class ModelRunner:
         """On a stage after the first: the previous stage's output for this step's tokens."""
         if self.pp.is_first:
             return None
-        shape = (self.model.stage_width, batch.input_ids.shape[0], self.mc.hf_config.hidden_size)
+        shape = (batch.input_ids.shape[0], self.mc.hf_config.hidden_size)
         return self.pp.recv(shape, self.mc.dtype, self.device)
 
     def _dummy_stage_input(self, batch: StepBatch) -> torch.Tensor | None:
         """The memory profile's stand-in for a previous stage's output (no peer takes part)."""
         if self.pp.is_first:
             return None
-        shape = (self.model.stage_width, batch.input_ids.shape[0], self.mc.hf_config.hidden_size)
+        shape = (batch.input_ids.shape[0], self.mc.hf_config.hidden_size)
         return torch.zeros(shape, dtype=self.mc.dtype, device=self.device)
 
     def _sample_positions(self, sts: list[RunnerRequestState], logits: torch.Tensor, grammar_bitmasks: dict):
