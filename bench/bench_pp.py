@@ -8,7 +8,9 @@ For each model, side by side in one run:
     receive) and the last stage's result coming back to the driver through Ray.
   - throughput: a batch of requests at pp=1 and at pp=2 with micro-batching (two steps in the
     pipe: each stage busy with its own) and without (one step at a time, the other stage idle),
-    output tokens/s, alternating, `--reps` times; medians and the ratios.
+    tokens/s (prompt + output, prefix caching off), alternating, `--reps` times; medians and
+    the ratios. The simulated nodes share this machine's cores and memory bus: two stages
+    stepping at once each get half its bandwidth, which real nodes would not share.
 
     python -m bench.bench_pp                                  # the embedded model, float32
     python -m bench.bench_pp --models default llama-1b --dtype bfloat16
@@ -49,6 +51,7 @@ def build(model: str | None, pp: int, dtype: str, max_num_seqs: int):
         num_threads=THREADS,
         max_num_seqs=max_num_seqs,
         kv_cache_memory_bytes=512 << 20,
+        enable_prefix_caching=False,  # every repetition computes its prompts again
     )
 
 
@@ -67,12 +70,13 @@ def decode_step_ms(llm, prompt: list[int], new: int) -> float:
 
 
 def throughput(llm, prompts: list[list[int]], new: int) -> float:
+    """Tokens computed per second, prompt and output together."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    return sum(len(p) + len(o.outputs[0].token_ids) for p, o in zip(prompts, outs)) / (time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -134,7 +138,7 @@ def main() -> None:
                 two.shutdown()
             med = {k: statistics.median(v) for k, v in runs.items()}
             print(f"\n{a.batch} requests x {a.prompt_len} prompt + {a.max_tokens} output tokens, {a.reps} reps")
-            print("| engine | output tok/s (median) | runs | vs pp=1 |\n|---|---|---|---|")
+            print("| engine | tok/s, prompt + output (median) | runs | vs pp=1 |\n|---|---|---|---|")
             for k, v in runs.items():
                 print(f"| {k} | {med[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} | {med[k] / med['pp=1']:.2f}x |")
             ratio = med["pp=2, micro-batches"] / med["pp=2, one step at a time"]
