@@ -68,7 +68,7 @@ def _generate(llm: LLM, prompts=PROMPTS, new=NEW):
     params = SamplingParams(temperature=0, max_tokens=new, logprobs=0)
     # The first prompt and the shared prefix first: later prompts hit the prefix cache.
     first = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
-    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[4:]], params, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[4:]], params, use_tqdm=False) if prompts[4:] else []
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in first + rest]
 
 
@@ -202,3 +202,23 @@ def test_refused_settings(four_layers):
         LLM(str(four_layers), pipeline_parallel_size=2, enable_lora=True, **ARGS)
     with pytest.raises(InvalidRequestError, match="at least 5 layers"):
         LLM(str(four_layers), pipeline_parallel_size=5, **ARGS)
+
+
+def test_gemma2_stages_match_one(three_nodes, tmp_path, smollm_dir):
+    """Gemma 2 hands on its hidden state alone (its residual adds sit inside each layer); a tied
+    head on the last stage keeps the embedding there; its soft caps run on the last stage."""
+    from engine import LLM as LocalLLM
+    from tests.tiny_architectures import save_tiny
+
+    save_tiny("gemma2", tmp_path, tokenizer_from=smollm_dir, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    args = {**ARGS, "max_model_len": 128}
+    one = LocalLLM(str(tmp_path), **args)
+    try:
+        expected = _generate(one, PROMPTS[:3])
+    finally:
+        one.shutdown()
+    two = LLM(str(tmp_path), pipeline_parallel_size=2, **args)
+    try:
+        _assert_same(_generate(two, PROMPTS[:3]), expected)
+    finally:
+        two.shutdown()
