@@ -39,6 +39,16 @@ SHAPES = {
         tie_word_embeddings=False,
         rope_theta=500000.0,
     ),
+    # ~0.43B parameters: three times SmolLM2-135M's, still quick to step on 2 CPU cores (bench/bench_pp.py).
+    "llama-350m": dict(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
     "llama-1b": dict(
         hidden_size=2048,
         intermediate_size=8192,
