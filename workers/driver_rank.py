@@ -24,7 +24,12 @@ if TYPE_CHECKING:
 
 class DriverRank(RankRunner):
     def __init__(
-        self, world_size: int, device: str | torch.device, num_threads: int, tp: int | None = None, layers=None
+        self,
+        world_size: int,
+        device: str | torch.device,
+        num_threads: int,
+        tp: int | None = None,
+        layers: range | None = None,
     ) -> None:
         self.world_size = world_size
         self.tp_size = tp or world_size  # ranks per pipeline stage

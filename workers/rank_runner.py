@@ -15,7 +15,9 @@ class RankRunner:
     tp = None  # engine.distributed.TPGroup
     pp = None  # engine.pipeline.PPGroup (pp > 1)
 
-    def _join(self, rank: int, tp: int, pp: int, layers: range, addr: str, port: int, store=None):
+    def _join(
+        self, rank: int, tp: int, pp: int, layers: range | None, addr: str, port: int, store: object | None = None
+    ) -> None:
         """Join the replica's process groups: the tp group, and at pp > 1 also the world group
         of the stage hops."""
         from workers.process_group import join_group, join_pipeline_groups
