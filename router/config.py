@@ -245,7 +245,7 @@ class AppConfig(BaseModel):
         description="The model's reasoning syntax: chat completions move the text of its <think>...</think> "
         "block from `content` to `reasoning_content` (deepseek_r1: DeepSeek-R1, QwQ, the block opened by the "
         "prompt or the output; qwen3: Qwen3, none with chat_template_kwargs enable_thinking false). Structured "
-        "outputs and held tool calls are then a 400. None: outputs as generated.",
+        "outputs and held tool calls then hold the answer after </think> only. None: outputs as generated.",
     )
     pooling_type: Literal[choices.POOLING_TYPES] = Field(
         _E.pooling_type,

@@ -5,6 +5,12 @@ computes the allowed-token bitmask of each position a step samples (the next tok
 draft position of a speculative step) and consumes the tokens the step emits. So the state
 lives with the request, not with a model runner: preemption, tensor parallelism and a
 resumed request need nothing more.
+
+A matcher with `after` (StructuredOutput.after_token_ids) waits: until the output contains that
+sequence it neither masks nor consumes, and the grammar starts at the token after it. A step's
+drafts that complete the sequence are free up to it, and those after it are held to the
+grammar from its start (`valid_prefix`, `step_masks`), so a speculative step crosses the
+boundary exactly as single steps would.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -52,11 +58,12 @@ class GrammarTokenizer:
                     raise InvalidRequestError(f"structured outputs are not available for this tokenizer: {e}") from None
             return self._ll
 
-    def matcher(self, grammar: str, param: str) -> GrammarMatcher:
-        """A matcher at the grammar's start. One whose first mask takes longer than
-        MAX_FIRST_MASK_S is refused: the step thread computes every mask of every step, so one
-        such request would slow every other (a regex `x{300000}` takes ~0.4 s per token here)."""
-        m = GrammarMatcher(self.get(), grammar, self.vocab_size, param)
+    def matcher(self, grammar: str, param: str, after: Sequence[int] = ()) -> GrammarMatcher:
+        """A matcher at the grammar's start (waiting for `after`, if any). One whose first mask
+        takes longer than MAX_FIRST_MASK_S is refused: the step thread computes every mask of
+        every step, so one such request would slow every other (a regex `x{300000}` takes ~0.4 s
+        per token here)."""
+        m = GrammarMatcher(self.get(), grammar, self.vocab_size, param, after)
         t0 = time.perf_counter()
         m.bitmasks([])
         took = time.perf_counter() - t0
@@ -70,13 +77,30 @@ class GrammarTokenizer:
 
 
 class GrammarMatcher:
-    def __init__(self, ll_tokenizer: LLTokenizer, grammar: str, vocab_size: int, param: str) -> None:
+    def __init__(
+        self, ll_tokenizer: LLTokenizer, grammar: str, vocab_size: int, param: str, after: Sequence[int] = ()
+    ) -> None:
         from llguidance import LLMatcher
 
         self._m = LLMatcher(ll_tokenizer, grammar, log_level=0, limits=_limits())
         self.width = bitmask_width(vocab_size)
         if self._m.is_error():  # the grammar was valid alone, but not with this tokenizer
             raise InvalidRequestError(f"{param}: {self._m.get_error()[:500]}", param=param)
+        self.after = tuple(after)
+        self.waiting = bool(self.after)  # the output has not yet contained `after`
+        self._recent: list[int] = []  # while waiting: the output's last len(after) tokens
+
+    def _free(self, drafts: list[int]) -> int | None:
+        """How many of these next tokens come before the grammar starts: 0 once it has; the
+        count up to and including the one that completes `after`; None if none does."""
+        if not self.waiting:
+            return 0
+        n, recent = len(self.after), list(self._recent)
+        for i, t in enumerate(drafts):
+            recent = (recent + [t])[-n:]
+            if tuple(recent) == self.after:
+                return i + 1
+        return None
 
     @property
     def error(self) -> str | None:
@@ -86,18 +110,28 @@ class GrammarMatcher:
 
     def is_stopped(self) -> bool:
         """Nothing may follow (the grammar ended, or its end token was consumed)."""
-        return self._m.is_stopped()
+        return not self.waiting and self._m.is_stopped()
 
     def accept(self, token_id: int) -> bool:
-        """Consume one emitted token; False (and an error state) if the grammar refuses it."""
+        """Consume one emitted token; False (and an error state) if the grammar refuses it.
+        While waiting: note it, and start the grammar after it if it completes `after`."""
+        if self.waiting:
+            self._recent = (self._recent + [token_id])[-len(self.after) :]
+            self.waiting = tuple(self._recent) != self.after
+            return True
         return self._m.consume_token(token_id)
 
     def accept_all(self, token_ids: list[int]) -> bool:
         return all(self.accept(t) for t in token_ids)
 
     def valid_prefix(self, drafts: list[int]) -> int:
-        """How many of these draft tokens the grammar allows in a row from here."""
-        return self._m.validate_tokens(drafts) if drafts else 0
+        """How many of these draft tokens the grammar allows in a row from here (all of them
+        before it starts)."""
+        k = self._free(drafts)
+        if k is None:
+            return len(drafts)
+        rest = drafts[k:]
+        return k + (self._m.validate_tokens(rest) if rest else 0)
 
     @staticmethod
     def batch_bitmasks(matchers: list[GrammarMatcher]) -> torch.Tensor:
@@ -110,6 +144,18 @@ class GrammarMatcher:
             [(m._m, i) for i, m in enumerate(matchers)], out.data_ptr(), width * 4, len(out)
         )
         return out
+
+    def step_masks(self, drafts: list[int]) -> torch.Tensor | None:
+        """`bitmasks` of a step that scores the next position and one after each draft (drafts
+        from `valid_prefix`): rows before the grammar starts allow every token; None when no
+        position of the step is held."""
+        k = self._free(drafts)
+        if k is None:
+            return None
+        held = self.bitmasks(drafts[k:])
+        if not k:
+            return held
+        return torch.cat([torch.full((k, self.width), -1, dtype=torch.int32), held])
 
     def bitmasks(self, drafts: list[int]) -> torch.Tensor:
         """[1 + len(drafts), width] int32: the tokens allowed at the next position and after
@@ -127,15 +173,18 @@ class GrammarMatcher:
 
 def step_bitmasks(scheduled: list, spec_tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
     """The bitmasks of a step's constrained requests that sample in it (their scheduled tokens
-    reach the end of what they have), one row per scored position. Requests without drafts
-    get theirs in one parallel call (llguidance's executor threads, the GIL dropped)."""
+    reach the end of what they have), one row per scored position; none for a request whose
+    grammar has not started and does not start within the step. Started requests without
+    drafts get theirs in one parallel call (llguidance's executor threads, the GIL dropped)."""
     out, plain = {}, []
     for r in scheduled:
         if r.grammar is None or r.num_computed_tokens < r.num_tokens:
             continue
         drafts = spec_tokens.get(r.request_id)
-        if drafts:
-            out[r.request_id] = r.grammar.bitmasks(drafts)
+        if drafts or r.grammar.waiting:
+            masks = r.grammar.step_masks(drafts or [])
+            if masks is not None:
+                out[r.request_id] = masks
         else:
             plain.append(r)
     if plain:

@@ -232,7 +232,7 @@ class InputProcessor:
             kw = {} if arrival_time is None else {"arrival_time": arrival_time}
             so = sp.structured_output
             if so is not None:  # each sequence its own place in the grammar
-                kw["grammar"] = self.grammar_tokenizer.matcher(so.grammar, so.param)
+                kw["grammar"] = self.grammar_tokenizer.matcher(so.grammar, so.param, so.after_token_ids)
                 if resume is not None and not kw["grammar"].accept_all(resume[rid]):
                     raise InvalidRequestError(f"{so.param}: the output to resume does not match", param=so.param)
             reqs.append(

@@ -9,6 +9,7 @@ name the client asked for when that is not the pool's own (an alias: `router/ing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from contextlib import aclosing
@@ -32,6 +33,7 @@ from router.ingress.openai_models import (
 )
 from router.ingress.openai_sampling import sampling_params
 from router.ingress.openai_tools import ToolMode, assistant_message, chat_template_arguments, request_message
+from router.ingress.reasoning_parsers import END as REASONING_END
 from router.ingress.reasoning_parsers import ReasoningParser, ReasoningStream
 from router.ingress.streams import collect, merge
 from router.ingress.tool_parsers import ContentStream
@@ -278,7 +280,7 @@ class OpenAIServing:
             if params.structured_output is not None:
                 raise InvalidRequestError("tool calls exclude response_format and structured_outputs", "tool_choice")
             params = dataclasses.replace(params, structured_output=held_calls)
-        reasoning = self._reasoning(req, params)
+        reasoning, params = self._reasoning(req, params)
         messages = [request_message(m) for m in req.messages]
         kwargs = chat_template_arguments(
             self.client.inputs,
@@ -329,23 +331,25 @@ class OpenAIServing:
             return None
         return sum(reasoning.reasoning_tokens(c.token_ids, self.client.token_text) for c in out.outputs)
 
-    def _reasoning(self, req: ChatCompletionRequest, params: SamplingParams) -> ReasoningParser | None:
-        """The request's reasoning parser (None: none configured). A grammar would hold the
-        reasoning too, leaving the model none: structured outputs and held tool calls are refused
-        (vLLM starts the grammar after the reasoning instead)."""
+    def _reasoning(
+        self, req: ChatCompletionRequest, params: SamplingParams
+    ) -> tuple[ReasoningParser | None, SamplingParams]:
+        """The request's reasoning parser (None: none configured), and its sampling parameters:
+        a grammar (structured outputs, held tool calls) starts after the reasoning, where the
+        output first holds `</think>`'s tokens, as vLLM starts it; with reasoning off (the
+        prompt closed the block) it holds the whole output."""
         if self.reasoning_parser is None:
-            return None
+            return None, params
+        parser = ReasoningParser(self.reasoning_parser, req.chat_template_kwargs)
         so = params.structured_output
-        if so is not None:
-            guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(req, f)]
-            field = "tool_choice" if so.param == "tools" else guided[0] if guided else so.param
-            what = "a named function or 'required'" if field == "tool_choice" else "structured outputs"
-            raise InvalidRequestError(
-                f"{field}: {what} cannot be combined with this model's reasoning_parser "
-                f"({self.reasoning_parser}): the grammar would also hold the reasoning",
-                param=field,
-            )
-        return ReasoningParser(self.reasoning_parser, req.chat_template_kwargs)
+        if so is not None and parser.thinking:
+            params = dataclasses.replace(params, structured_output=so.starting_after(self._reasoning_end_ids))
+        return parser, params
+
+    @functools.cached_property
+    def _reasoning_end_ids(self) -> list[int]:
+        """`</think>` as the pool's tokenizer encodes it (one added token in R1's and Qwen3's)."""
+        return self.client.tokenizer(REASONING_END, add_special_tokens=False).input_ids
 
     async def _stream_chat(
         self,

@@ -1,7 +1,9 @@
 """Structured outputs (engine/structured/) and logit_bias on the embedded model in float32:
 every output matches its JSON schema, regex, choice or grammar, also sampled, with n-gram
 drafts (identical to drafting off), through preemption and when resumed; bad specs are
-refused up front; every KV block goes back to the pool."""
+refused up front; every KV block goes back to the pool. A grammar held back until the output
+contains a token sequence (a reasoning model's `</think>`) leaves the output free up to it and
+holds the rest, also with drafts that cross it."""
 
 from __future__ import annotations
 
@@ -310,3 +312,122 @@ def test_a_grammar_costly_past_its_start_fails_alone(llm):
     assert bad.outputs[0].finish_reason == "error" and "grammar failed" in bad.error, bad.error
     assert good.error is None and re.fullmatch(PHONE, good.outputs[0].text)
     _check_pool(llm)
+
+
+# --- a grammar that starts after a token sequence (a reasoning model's `</think>`) -------------
+
+CITY_HALL = CHAT.format("What is the phone number of the city hall?")
+COPY = CHAT.format('Copy this JSON exactly: {"name": "Ann Lee", "age": 31, "city": "Oslo"} ' * 2)
+
+
+def _free(llm, prompt: str, max_tokens: int = 40):
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)[0].outputs[0]
+
+
+def _after(so: StructuredOutput, after, **kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 40, **kw}, structured_output=so.starting_after(after))
+
+
+def test_a_grammar_after_a_sequence_starts_right_after_it(llm):
+    """The greedy answer is `The phone number of the city hall is 123-456-7890.`; a phone regex
+    that starts after its tokens " number", " of" leaves those 4 tokens as they were and holds
+    every token after them; held from the start the output is the phone number alone."""
+    free = _free(llm, CITY_HALL)
+    after = free.token_ids[2:4]
+    assert llm.tokenizer.decode(free.token_ids[:4]) == "The phone number of", free.text
+    out = llm.generate([CITY_HALL], _after(StructuredOutput("regex", PHONE), after), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:4] == free.token_ids[:4] and out.finish_reason == "stop", out
+    assert out.text.startswith("The phone number of") and re.fullmatch(PHONE, out.text[19:]), out.text
+    whole = llm.generate([CITY_HALL], _after(StructuredOutput("regex", PHONE), ()), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(PHONE, whole.text), whole.text
+    _check_pool(llm)
+
+
+def test_a_grammar_whose_sequence_never_comes_holds_nothing(llm):
+    """The sequence is not in the output: it is the free greedy output, to its EOS or cut by
+    max_tokens (finish_reason "length"); the sequence in the prompt alone does not start it."""
+    free = _free(llm, CITY_HALL)
+    paris = llm.tokenizer(" Paris", add_special_tokens=False).input_ids
+    in_prompt = llm.tokenizer(" city hall?", add_special_tokens=False).input_ids
+    assert in_prompt[-1] not in free.token_ids
+    for after in (paris, in_prompt[-1:]):
+        so = StructuredOutput("json", PERSON)
+        out = llm.generate([CITY_HALL], _after(so, after), use_tqdm=False)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason) == (free.token_ids, free.finish_reason) == (free.token_ids, "stop")
+        cut = llm.generate([CITY_HALL], _after(so, after, max_tokens=5), use_tqdm=False)[0].outputs[0]
+        assert (cut.token_ids, cut.finish_reason) == (free.token_ids[:5], "length")
+    _check_pool(llm)
+
+
+def test_a_waiting_matcher_frees_drafts_up_to_the_sequence(llm):
+    """Drafts that complete the sequence are free up to its end; the drafts after it are held to
+    the grammar from its start, and the step's mask rows say the same."""
+    gt, tok = llm.engine.inputs.grammar_tokenizer, llm.tokenizer
+    so = StructuredOutput("regex", PHONE)
+    a, b = tok(" number of", add_special_tokens=False).input_ids
+    phone = tok("(555) 123-4567", add_special_tokens=False).input_ids
+    junk = tok(" hello", add_special_tokens=False).input_ids
+    m, start = gt.matcher(so.grammar, "p", (a, b)), gt.matcher(so.grammar, "p")
+    assert m.waiting and m.valid_prefix(junk + [a] + junk) == len(junk) + 2
+    assert m.step_masks([]) is None and m.step_masks(junk) is None
+    drafts = junk + [a, b] + phone
+    assert m.valid_prefix(drafts + junk) == len(drafts)  # after the phone: only its end
+    rows = m.step_masks(drafts)
+    k = len(junk) + 2
+    assert rows.shape[0] == 1 + len(drafts) and bool((rows[:k] == -1).all())
+    assert torch.equal(rows[k:], start.bitmasks(phone))
+    late = [b] + phone + junk  # b alone does not complete (a, b): all free
+    assert m.valid_prefix(late) == len(late) and m.step_masks(late) is None
+    # The sequence split between emitted tokens and a draft: free up to b, then held.
+    assert m.accept(a) and m.waiting and not m.is_stopped()
+    assert m.valid_prefix(late) == 1 + len(phone)
+    assert torch.equal(m.step_masks([b])[1], start.bitmasks([])[0])
+    assert m.accept(b) and not m.waiting
+    assert torch.equal(m.step_masks([]), start.bitmasks([])) and m.valid_prefix(junk) == 0
+    assert not m.accept(junk[0])  # held: refused
+    for bad in ([-1], ["a"], [True], [1] * 33):
+        with pytest.raises(InvalidRequestError, match="after_token_ids"):
+            StructuredOutput("regex", PHONE, after_token_ids=bad)
+
+
+def test_drafts_across_the_sequence_keep_the_output_identical(llm, monkeypatch):
+    """n-gram drafts copied from the prompt cross the point where the grammar starts (the
+    greedy copy's `"age": `), some accepted past it; the output equals drafting off."""
+    from engine.structured.matcher import GrammarMatcher
+
+    free = _free(llm, COPY, 30)
+    after = free.token_ids[19:21]
+    prefix = llm.tokenizer.decode(free.token_ids[:21])
+    pairs = list(zip(free.token_ids, free.token_ids[1:]))
+    assert prefix.endswith('"age": ') and pairs.index(tuple(after)) == 19, prefix  # its first place
+    crossed = []
+    valid_prefix = GrammarMatcher.valid_prefix
+
+    def recording(self, drafts):
+        n = valid_prefix(self, drafts)
+        if self.waiting and self._free(drafts) not in (None, n):
+            crossed.append((list(drafts), n))  # complete the sequence, then some of the grammar
+        return n
+
+    monkeypatch.setattr(GrammarMatcher, "valid_prefix", recording)
+    spec = _llm(
+        kv_cache_memory_bytes=32 << 20,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    )
+    try:
+        params = [
+            _after(StructuredOutput("regex", r"[0-9]+,"), after),
+            _after(StructuredOutput("json", PERSON), after, max_tokens=60),
+        ]
+        ref = llm.generate([COPY, COPY], params, use_tqdm=False)
+        crossed.clear()
+        got = spec.generate([COPY, COPY], params, use_tqdm=False)
+        assert crossed, "no draft crossed the sequence"
+        for a, b in zip(ref, got):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert b.outputs[0].token_ids[:21] == free.token_ids[:21]
+        assert got[0].outputs[0].text == prefix + "31,"
+        _check_person(got[1].outputs[0].text[len(prefix) :])
+        _check_pool(spec)
+    finally:
+        spec.shutdown()

@@ -4,15 +4,17 @@ pools, `r1` (reasoning_parser deepseek_r1, tool_call_parser hermes) and `q3` (qw
 goes to `reasoning_content` and only the answer to `content`, streamed and not; qwen3 with
 enable_thinking false (the template closes the block in the prompt) has no reasoning; an output
 that starts inside the block (a continued assistant message) splits the same; a tool call
-written inside the block is no call; structured outputs and held tool calls are a 400 naming the
-field and reasoning_parser."""
+written inside the block is no call; structured outputs and held tool calls (chat and the
+Responses API) leave the reasoning free and hold the answer after `</think>` (the whole answer with
+reasoning off)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from tests.router.conftest import BASE
-from tests.router.test_errors import _check, post
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "Hi"}]
@@ -126,19 +128,85 @@ def test_tool_calls_are_read_from_the_content_only(oai):
     assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (ANSWER, [])
 
 
+# The stand-in's answer "Hello!" is no JSON: once the grammar holds the answer, every other
+# token scores the same and the mask decides it.
+YES_NO = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "yes_no", "schema": YES_NO}}
+
+
+def _yes_no(text: str | None) -> bool:
+    return json.loads(text) in ({"answer": "yes"}, {"answer": "no"})
+
+
+@pytest.mark.parametrize("model", ["r1", "q3"])
 @pytest.mark.parametrize(
-    "extra, param",
+    "extra, matches",
     [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-        ({"guided_regex": "a+"}, "guided_regex"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, "tool_choice"),
+        ({"response_format": SCHEMA}, _yes_no),
+        ({"extra_body": {"structured_outputs": {"json": YES_NO}}}, _yes_no),
+        ({"extra_body": {"guided_regex": "(yes|no)!"}}, lambda text: text in ("yes!", "no!")),
     ],
+    ids=["response_format", "structured_outputs", "guided_regex"],
 )
-def test_a_grammar_with_a_reasoning_parser_is_refused(reason_app, extra, param):
-    body = {"model": "r1", "messages": ASK, "max_tokens": 4, **extra}
-    err = _check(post(reason_app, "/v1/chat/completions", json=body), 400, param)
-    assert "reasoning_parser" in err["message"] and param in err["message"], err
+def test_a_grammar_holds_the_answer_after_the_reasoning(oai, model, extra, matches):
+    """The reasoning is as without a grammar; the content after `</think>` matches it."""
+    r = _create(oai, model, max_tokens=40, **extra)
+    msg = r.choices[0].message
+    assert _reasoning(msg) == "The user asks" and r.choices[0].finish_reason == "stop", msg
+    assert matches(msg.content), msg.content
+    assert _streamed(oai, model, max_tokens=40, **extra) == ("The user asks", msg.content, "stop")
+    # Cut inside the block: the grammar never began.
+    msg = _create(oai, model, max_tokens=3, **extra).choices[0].message
+    assert (msg.content, _reasoning(msg)) == (None, "The user"), msg
+
+
+def test_a_grammar_with_reasoning_off_holds_the_whole_answer(oai):
+    """qwen3 with enable_thinking false: the prompt closed the block, the grammar starts at once."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    r = _create(oai, "q3", max_tokens=40, response_format=SCHEMA, extra_body=off)
+    msg = r.choices[0].message
+    assert _reasoning(msg) is None and r.choices[0].finish_reason == "stop", msg
+    assert _yes_no(msg.content), msg.content
+
+
+def test_held_tool_calls_come_after_the_reasoning(oai):
+    """tool_choice "required" and a named function: the calls are read from the content, which
+    the tools' schemas hold after `</think>`; the reasoning stays free. One call at most: the
+    stand-in's mask-decided answer would add calls to max_tokens."""
+    params = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    f = {"type": "function", "function": {"name": "f", "parameters": params}}
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = oai.chat.completions.create(
+            model="r1",
+            messages=ASK,
+            tools=[f],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=60,
+            temperature=0,
+        )
+        msg = r.choices[0].message
+        assert (_reasoning(msg), msg.content, r.choices[0].finish_reason) == ("The user asks", None, "tool_calls")
+        assert [c.function.name for c in msg.tool_calls] == ["f"], msg
+        assert json.loads(msg.tool_calls[0].function.arguments)["city"] in ("Paris", "Rome"), msg
+
+
+def test_responses_api_text_format_holds_the_answer_after_the_reasoning(oai):
+    fmt = {"format": {"type": "json_schema", "name": "yes_no", "schema": YES_NO}}
+    r = oai.responses.create(model="r1", input="Hi", max_output_tokens=40, temperature=0, text=fmt)
+    assert [item.type for item in r.output] == ["reasoning", "message"], r.output
+    assert r.output[0].content[0].text == "The user asks" and r.status == "completed"
+    assert _yes_no(r.output_text), r.output_text
 
 
 # "<think>", "The", " user", " asks", "</think>": the tokens up to the one that closes the block.
