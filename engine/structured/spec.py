@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from engine.errors import InvalidRequestError
 
@@ -46,7 +46,7 @@ class StructuredOutput:
         if problem and not problem.startswith("WARNING"):
             raise self._bad(f"is not a valid {self.kind}: {problem.strip()[:500]}")
 
-    def starting_after(self, token_ids) -> StructuredOutput:
+    def starting_after(self, token_ids: Sequence[int]) -> StructuredOutput:
         """A copy held back until the output contains `token_ids` (the grammar is not compiled
         again)."""
         out = copy.copy(self)
