@@ -33,6 +33,26 @@ def release_ray() -> None:
             ray.shutdown()
 
 
+@contextmanager
+def simulated_nodes(head_cpus: int, nodes: list[dict]) -> Iterator[tuple[object, list]]:
+    """A multi-node cluster on this machine (ray.cluster_utils.Cluster): a head with `head_cpus`
+    and one node per entry of `nodes` (add_node's arguments), this process connected to it.
+    Yields (cluster, nodes); shut down when the block ends. The shared cluster stops first."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    release_ray()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    try:
+        added = [cluster.add_node(**node) for node in nodes]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster, added
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def _start_ray(num_cpus: int) -> None:
     import ray
 

@@ -65,10 +65,7 @@ def join_group(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> TPGroup:
     """Join the group (all ranks call this at once); returns it for the caller to bind."""
-    if store is None:
-        store = dist.TCPStore(
-            addr, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        )
+    store = _client_store(addr, port, world_size) if store is None else store
     return TPGroup(size=world_size, rank=rank, group=_new_group(store, rank, world_size, device, timeout_s))
 
 
@@ -86,14 +83,17 @@ def join_pipeline_groups(
     """pp > 1: join the world group and this rank's stage group (every rank at once). `layers`:
     this rank's stage's decoder layers."""
     world = tp * pp
-    if store is None:
-        store = dist.TCPStore(
-            addr, port, world, is_master=False, timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
-        )
+    store = _client_store(addr, port, world) if store is None else store
     stage, tp_rank = divmod(rank, tp)
     world_group = _new_group(dist.PrefixStore("world", store), rank, world, device, timeout_s)
     tp_group = _new_group(dist.PrefixStore(f"stage{stage}", store), tp_rank, tp, device, timeout_s) if tp > 1 else None
     return TPGroup(size=tp, rank=tp_rank, group=tp_group), make_pp_group(stage, tp_rank, tp, pp, layers, world_group)
+
+
+def _client_store(addr: str, port: int, world_size: int) -> object:
+    """A rank's connection to rank 0's store."""
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
+    return dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
 
 
 def _new_group(store: object, rank: int, world_size: int, device: str | torch.device, timeout_s: float) -> object:

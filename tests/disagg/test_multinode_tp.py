@@ -10,13 +10,12 @@ import asyncio
 
 import httpx
 import pytest
-import ray
 
 from engine import SamplingParams
 from tests.disagg.conftest import PD_BASE
 from tests.disagg.test_outputs import DOC
 from tests.net import free_port, wait_healthy
-from tests.serve_cluster import release_ray
+from tests.serve_cluster import simulated_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,18 +29,12 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def two_pool_nodes():
     from ray import serve
-    from ray.cluster_utils import Cluster
 
     from router.app import build_app
     from router.config import AppConfig
 
-    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        prefill_node = cluster.add_node(num_cpus=2, resources={"prefill_node": 1})
-        decode_node = cluster.add_node(num_cpus=4, resources={"decode_node": 1})
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
+    nodes = [{"num_cpus": 2, "resources": {"prefill_node": 1}}, {"num_cpus": 4, "resources": {"decode_node": 1}}]
+    with simulated_nodes(1, nodes) as (cluster, (prefill_node, decode_node)):
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         cfg = AppConfig(
@@ -54,13 +47,15 @@ def two_pool_nodes():
         handle = serve.run(build_app(cfg), name="pd-nodes", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout=300)
-        yield {"url": url, "handle": handle, "prefill_node": prefill_node.node_id, "decode_node": decode_node.node_id}
-    finally:
         try:
-            serve.shutdown()
+            yield {
+                "url": url,
+                "handle": handle,
+                "prefill_node": prefill_node.node_id,
+                "decode_node": decode_node.node_id,
+            }
         finally:
-            ray.shutdown()
-            cluster.shutdown()
+            serve.shutdown()
 
 
 def test_pools_on_two_nodes_with_different_tp(two_pool_nodes):

@@ -12,7 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import SamplingParams
-from tests.serve_cluster import release_ray
+from tests.serve_cluster import simulated_nodes
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
@@ -22,19 +22,9 @@ PROMPTS = [[10, 20, 30, 40, 50], list(range(100, 125)), [9]]
 
 @pytest.fixture(scope="module")
 def three_nodes():
-    from ray.cluster_utils import Cluster
-
-    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
     # Head with 1 CPU (room for one remote rank only), two nodes with 2 CPUs each.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    try:
-        nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with simulated_nodes(1, [{"num_cpus": 2}] * 2) as cluster_and_nodes:
+        yield cluster_and_nodes
 
 
 def _ids(llm):

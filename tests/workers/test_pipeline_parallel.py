@@ -15,9 +15,10 @@ import ray
 
 from engine import EngineDeadError, SamplingParams
 from engine.errors import InvalidRequestError
-from tests.serve_cluster import release_ray
+from tests.serve_cluster import simulated_nodes
 from tests.tiny_llama import save_tiny_llama
 from tests.workers.conftest import hf_greedy
+from tests.workers.test_tp_correctness import PROMPTS
 from workers import LLM
 
 pytestmark = pytest.mark.slow
@@ -25,33 +26,14 @@ pytestmark = pytest.mark.slow
 ARGS = dict(
     dtype="float32", block_size=4, num_blocks=128, max_num_batched_tokens=16, enable_prefix_caching=True, num_threads=1
 )
-SHARED = list(range(40, 80))
-PROMPTS = [
-    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
-    [100, 200, 300],
-    [7],
-    SHARED + [11, 12, 13],
-    list(range(300, 350)),  # several chunks of 16 tokens
-    SHARED[:38] + [500, 501, 502, 503, 504, 505],  # a prefix hit plus a tail hit
-]
 NEW = 10
 
 
 @pytest.fixture(scope="module")
 def three_nodes():
     """The driver's node (head) and two more, 2 CPUs each: room for a stage of tp=2 on each."""
-    from ray.cluster_utils import Cluster
-
-    release_ray()  # the shared Serve cluster (tests/serve_cluster.py), if it runs
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    try:
-        nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False)
-        yield cluster, nodes
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with simulated_nodes(2, [{"num_cpus": 2}] * 2) as cluster_and_nodes:
+        yield cluster_and_nodes
 
 
 @pytest.fixture(scope="module")
