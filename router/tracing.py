@@ -222,12 +222,12 @@ class EngineRequestTrace:
 
     @classmethod
     def start(cls, traceparent: str | None, attributes: dict, prompt_tokens: int) -> EngineRequestTrace | None:
-        """None unless tracing is on here and the router sent a trace context."""
+        """None unless tracing is on here and the router sent a sampled trace context."""
         if _tracer is None or not traceparent:
             return None
         now = time.time()
         span = start_span("orbital.engine", traceparent, attributes, start_wall=now, kind=SpanKind.SERVER)
-        return None if span is None else cls(span, now, prompt_tokens)
+        return None if span is None or not span.is_recording() else cls(span, now, prompt_tokens)  # sampled out
 
     def output(
         self,

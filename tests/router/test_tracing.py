@@ -125,6 +125,18 @@ def test_spans_follow_the_client_traceparent(clean_tracing):
     assert srv.resource.attributes["service.name"] == "orbital-router"
 
 
+def test_a_client_that_samples_out_is_honoured(clean_tracing):
+    """traceparent flags 00: the router's span is not recorded, nor are the engine's."""
+    exporter = _RecordingExporter()
+    assert tracing.setup("router", exporter=exporter)
+    server = tracing.start_server_span("POST /v1/completions", {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"})
+    assert not server.is_recording()
+    assert tracing.EngineRequestTrace.start(tracing.traceparent(server), {}, 3) is None
+    tracing.end(server)
+    tracing.flush()
+    assert exporter.spans == []
+
+
 # --- end to end: the router and an engine replica export to a collector here -------------------
 
 
@@ -295,3 +307,61 @@ def test_one_tree_under_the_client_span_across_processes(traced_app, stream):
     assert a["orbital.engine.steps"] == usage["completion_tokens"]  # one token a step, no drafts
     assert engine["events"] == ["orbital.engine.step"] * usage["completion_tokens"]
     assert server["attributes"]["http.response.status_code"] == 200
+
+
+@pytest.fixture(scope="module")
+def traced_pd_app(chat_stand_in, collector):
+    from tests.serve_cluster import serve_app
+
+    with serve_app(
+        "traced-pd",
+        "/traced-pd",
+        **BASE,
+        model=chat_stand_in,
+        served_model_name="stand-in",
+        num_replicas=1,
+        prefill_replicas=1,
+        local_prefill_max_tokens=16,
+        otlp_traces_endpoint=collector,
+    ) as app:
+        yield app
+
+
+@pytest.mark.slow
+def test_remote_prefill_and_kv_transfer_spans(traced_pd_app):
+    """Disaggregated: the decode replica's remote prefill and KV transfer below its engine span,
+    and the prefill replica's span below those: three processes, one trace."""
+    trace_id = "8" * 32
+    body = {
+        "model": "stand-in",
+        "messages": [{"role": "user", "content": "Tell me a long story about the sea and its boats. " * 4}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    r = httpx.post(
+        f"{traced_pd_app['url']}/v1/chat/completions",
+        json=body,
+        headers={"traceparent": _traceparent(trace_id)},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    want = {
+        "POST /v1/chat/completions",
+        "orbital.engine",
+        "orbital.remote_prefill",
+        "orbital.kv_transfer",
+        "orbital.prefill",
+    }
+    spans = {s["name"]: s for s in _trace(trace_id, want)}
+    assert want <= set(spans), list(spans)
+    engine, remote = spans["orbital.engine"], spans["orbital.remote_prefill"]
+    assert engine["parent"] == spans["POST /v1/chat/completions"]["span_id"]
+    assert remote["parent"] == engine["span_id"]
+    assert spans["orbital.kv_transfer"]["parent"] == remote["span_id"]
+    assert spans["orbital.prefill"]["parent"] == remote["span_id"]
+    assert spans["orbital.kv_transfer"]["attributes"]["orbital.blocks"] > 0
+    assert remote["attributes"]["orbital.prefill_replica"] == spans["orbital.prefill"]["attributes"]["orbital.replica"]
+    pids = {
+        spans[n]["resource"]["process.pid"] for n in ("POST /v1/chat/completions", "orbital.engine", "orbital.prefill")
+    }
+    assert len(pids) == 3
