@@ -159,6 +159,7 @@ def _engine_deployment(
         pool.max_queued_requests_per_replica,
         cfg.stuck_step_timeout_s,
         router_lease_s=cfg.router_lease_s,
+        otlp_traces_endpoint=cfg.otlp_traces_endpoint,
         **bind_kwargs,
     )
     return pool, app

@@ -254,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-request-body-bytes", type=int, default=_d("max_request_body_bytes"))
     s.add_argument(
+        "--otlp-traces-endpoint",
+        default=_d("otlp_traces_endpoint"),
+        metavar="URL",
+        help="send OpenTelemetry traces of each request's path over OTLP/HTTP to this URL, e.g. "
+        "http://localhost:4318/v1/traces (default: the OTEL_EXPORTER_OTLP_* variables; none: off)",
+    )
+    s.add_argument(
         "--autoscaling",
         default=None,
         metavar="YAML",
@@ -353,6 +360,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         max_migrations=a.max_migrations,
         drain_timeout_s=a.drain_timeout_s,
         max_request_body_bytes=a.max_request_body_bytes,
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
         api_key=a.api_key,
         api_key_file=a.api_key_file,
         allow_unauthenticated=a.allow_unauthenticated,

@@ -296,6 +296,13 @@ class AppConfig(BaseModel):
     allow_unauthenticated: bool = Field(
         False, description="Serve without a key on a non-loopback HTTP bind (otherwise the ingress refuses to start)."
     )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry traces of each request's path (router/tracing.py): the OTLP/HTTP traces URL "
+        "(e.g. http://collector:4318/v1/traces) the router and engine replicas send spans to. None: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables where they run decide; "
+        "without either, tracing is off. The other OTEL_* variables (headers, sampler, batching) apply as usual.",
+    )
 
     # --- disaggregated serving: a prefill pool beside the engine (decode) pool ---
     prefill_replicas: int = Field(

@@ -57,6 +57,8 @@ class SubmitRequest:
     avoid_replicas: tuple[str, ...] = ()
     # The LoRA adapter it runs with (None: the base model); a moved request keeps it.
     lora_request: LoRARequest | None = None
+    # W3C trace context of the router's span of this request (router/tracing.py); None: not traced.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +68,7 @@ class PrefillKV:
     first_block: int  # the decode replica holds the blocks before it
     layout: KVLayout  # the decode replica's: a prefill replica with another one refuses
     lora_request: LoRARequest | None = None  # the sequence's adapter: its KV is the adapter's
+    traceparent: str | None = None  # W3C trace context of the decode replica's remote prefill span
 
 
 @dataclass(frozen=True, slots=True)

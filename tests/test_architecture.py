@@ -130,6 +130,12 @@ def test_engine_never_imports_ray():
     assert sorted(m for m, ext in external.items() if m.startswith("engine") and "ray" in ext) == []
 
 
+def test_engine_never_imports_opentelemetry():
+    """Request traces are the serving layer's (router/tracing.py), built from what the engine reports."""
+    _, external = _graph()
+    assert sorted(m for m, ext in external.items() if m.startswith("engine") and "opentelemetry" in ext) == []
+
+
 def test_checker_finds_a_circle():
     """The checker itself can fail."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

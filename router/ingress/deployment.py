@@ -19,7 +19,7 @@ import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import Message, Send
 
+import router.tracing as tracing
 from router.config import AppConfig
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.model_pools import ModelPools, PoolClient, SidePool
@@ -37,6 +38,9 @@ from router.ingress.shared_result import SharedResult
 from router.metrics import render_pools
 from router.replica_choice.routing_state import routing_state
 from router.tiering.policy import HINT_HEADER
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
@@ -49,9 +53,12 @@ class WriteDeadlineResponse(StreamingResponse):
     that stops reading is cut off (its request aborted, its KV blocks freed) instead of holding
     its slot until the request deadline."""
 
-    def __init__(self, content: AsyncIterator[str], write_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncIterator[str], write_timeout_s: float, span: "Span | None" = None, **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
         self.write_timeout_s = write_timeout_s
+        self.span = span  # the request's span (router/tracing.py): ended with the stream
 
     async def stream_response(self, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
@@ -64,6 +71,7 @@ class WriteDeadlineResponse(StreamingResponse):
             await super().stream_response(send_in_time)
         finally:
             await self.body_iterator.aclose()  # ends the request's generator: aborts it now
+            tracing.end(self.span, {"http.response.status_code": 200})  # nothing when the stream ended it
 
 
 def _host_name(host: str) -> str:
@@ -96,6 +104,7 @@ class Ingress:
         app's prefill pool (requests go to the decode pool, `engines`; /health and /metrics
         cover both)."""
         self.settings = cfg = AppConfig(**config)
+        tracing.setup("router", cfg.otlp_traces_endpoint)
         # Resolved here, in the replica: `config` (Ray's metadata) names the key file or variable.
         host = serve_http_host()
         self.api_key = check_public_bind(cfg, host)
@@ -170,31 +179,46 @@ class Ingress:
 
     async def _respond(self, request: Request, make, tgi: bool = False, events: bool = False) -> Response:
         """`make(body)` -> coroutine of a dict or of an async iterator of chunk dicts (`events`:
-        Responses API events)."""
-        try:
-            result = await self._call(make(await self._body(request)))
-            if not hasattr(result, "__anext__"):
-                return JSONResponse(result)
-            first = await result.__anext__()  # errors before the first chunk keep their HTTP status
-        except Exception as e:  # noqa: BLE001 - every error in the API's shape
-            return error_response(e, api_path(request))
+        Responses API events). Traced (router/tracing.py): one SERVER span per request, the child
+        of the client's `traceparent`, current while the request is made."""
+        span = None
+        if tracing.enabled():
+            route = api_path(request)  # without the app's route prefix
+            attributes = {"http.request.method": request.method, "http.route": route, "url.path": request.url.path}
+            span = tracing.start_server_span(f"{request.method} {route}", request.headers, attributes)
+        with tracing.use(span):
+            try:
+                result = await self._call(make(await self._body(request)))
+                if not hasattr(result, "__anext__"):
+                    tracing.end(span, {"http.response.status_code": 200})
+                    return JSONResponse(result)
+                first = await result.__anext__()  # errors before the first chunk keep their HTTP status
+            except Exception as e:  # noqa: BLE001 - every error in the API's shape
+                response = error_response(e, api_path(request))
+                status = response.status_code
+                tracing.end(span, {"http.response.status_code": status}, error=e if status >= 500 else None)
+                return response
         return WriteDeadlineResponse(
-            self._sse_stream(first, result, tgi, events),
+            self._sse_stream(first, result, tgi, events, span),
             self.settings.write_timeout_s,
+            span=span,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _sse_stream(self, first: dict, rest: AsyncIterator[dict], tgi: bool, events: bool = False):
+    async def _sse_stream(
+        self, first: dict, rest: AsyncIterator[dict], tgi: bool, events: bool = False, span: "Span | None" = None
+    ):
         frame = _sse_event if events else _sse
         last = first
+        failed = None
         try:
             yield frame(first)
             async for chunk in rest:
                 last = chunk
                 yield frame(chunk)
         except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-            err = to_api_error(e)
+            err = failed = to_api_error(e)
             if events:  # the request's deadline, which ends the event stream from outside
                 seq = last.get("sequence_number", 0) + 1
                 body = {"type": "error", "sequence_number": seq, "code": err.code, "message": err.message}
@@ -203,6 +227,10 @@ class Ingress:
                 yield frame(err.tgi_body() if tgi else err.openai_body())
         finally:
             await rest.aclose()
+            error = failed.message if failed is not None and failed.status >= 500 else None
+            tracing.end(
+                span, {"http.response.status_code": 200, "error.type": failed.type if failed else None}, error=error
+            )
         if not tgi and not events:
             yield "data: [DONE]\n\n"
 

@@ -26,6 +26,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, TypeVar
 
+import router.tracing as tracing
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.request import child_request_ids, parent_request_id
@@ -67,6 +68,17 @@ class SlowReaderError(TimeoutError):
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _routing_attributes(request_id: str, replica: str) -> dict:
+    """The replica choice of a routed request, as span attributes."""
+    d = routing_state().log.decision(request_id)
+    out = {"orbital.replica": replica}
+    if d is not None:
+        out.update(
+            {"orbital.routing.policy": d.policy, "orbital.routing.predicted_cached_tokens": d.predicted_cached_tokens}
+        )
+    return out
 
 
 class EngineClient:
@@ -145,6 +157,7 @@ class EngineClient:
         added = done = False
         child_ids = child_request_ids(request_id, params.n)
         moving = Migration(self.max_migrations)
+        span = tracing.current_span()  # the router's span of this request (None: not traced)
         try:
             self.inputs.check_request(prompt_ids, params)  # the engine's own checks, before sending
             self.outputs.add_request(request_id, prompt_text, prompt_ids, params, child_ids)
@@ -160,6 +173,7 @@ class EngineClient:
                 priority,
                 0.0 if stream else self.nonstream_batch_interval_s,
                 lora_request=lora_request,
+                traceparent=tracing.traceparent(span),
             )
             first, last = True, None
             while not done:
@@ -167,9 +181,19 @@ class EngineClient:
                     # Outside the caller's Serve request context, as every call below: Serve
                     # cancels a request's calls when it is cancelled, and then `abort` must
                     # still get through.
+                    route = None
+                    if span is not None:
+                        attributes = tracing.attributes_of(request_id=request_id, attempt=moving.moves)
+                        route = tracing.start_span("orbital.route", span, attributes)
                     submit = asyncio.ensure_future(contextvars.Context().run(self.handle.submit.remote, msg))
-                    replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
+                    try:
+                        replica = await asyncio.shield(submit)  # 429 from the replica, engine dead, ...
+                    except BaseException as e:
+                        tracing.end(route, error=e)
+                        raise
                     routing_state().confirmed(request_id, replica)
+                    if route is not None:
+                        tracing.end(route, _routing_attributes(request_id, replica))
                     self.channels.attach(replica, request_id)
                     while not done:
                         out = await outputs.get()
@@ -186,7 +210,11 @@ class EngineClient:
                 except Exception as e:
                     if not moves_request(e):
                         raise
+                    left = replica
                     msg = self._move(msg, moving, replica, e, last, child_ids)
+                    reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                    moved = tracing.attributes_of(from_replica=left, move=moving.moves, error=reason)
+                    tracing.event(span, "orbital.migration", moved)
                     submit = replica = None
         finally:
             self.queue.done(request_id)

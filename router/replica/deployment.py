@@ -32,6 +32,8 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+import router.tracing as tracing
+
 # The first torch import in this process; the `engine` package sets OpenMP's wait defaults before it.
 from engine.async_engine import AsyncEngine
 from engine.engine_args import EngineArgs
@@ -72,6 +74,7 @@ class _Job:
         "last_token",
         "children_done",
         "stopped",
+        "trace",
     )
 
     def __init__(self, request_id: str, children: list[str], arrival_wall: float, ingress_id: str, box: Outbox) -> None:
@@ -82,6 +85,7 @@ class _Job:
         self.last_token: dict[str, float] = {}
         self.children_done: set[str] = set()
         self.stopped: set[str] = set()  # children the ingress finished (stop string)
+        self.trace: tracing.EngineRequestTrace | None = None  # its span (router/tracing.py), when traced
 
 
 @serve.deployment(name="EngineReplica")
@@ -95,10 +99,13 @@ class EngineReplica:
         kv_transfer_failure: str = "recompute",
         kv_transfer_timeout_s: float = 60.0,
         router_lease_s: float = 30.0,
+        otlp_traces_endpoint: str | None = None,
     ) -> None:
         """`prefill` (decode replicas of a disaggregated app): the prefill pool's handle.
         `router_lease_s`: a router not heard from that long (no request, no lease renewal) while
-        it has requests here is taken for dead: its requests are aborted, its outbox dropped."""
+        it has requests here is taken for dead: its requests are aborted, its outbox dropped.
+        `otlp_traces_endpoint`: AppConfig's (router/tracing.py: None leaves it to OTEL_* variables)."""
+        tracing.setup("engine", otlp_traces_endpoint)
         self.engine = AsyncEngine(EngineArgs(**engine_args), executor_factory=make_executor)
         self.stuck_step_timeout_s = stuck_step_timeout_s
         self.router_lease_s = router_lease_s
@@ -118,7 +125,9 @@ class EngineReplica:
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
         self.kv_feed = KVFeed(self.engine.kv_events, self._outboxes.values)
         self.remote_prefills = (
-            RemotePrefills(self.engine, prefill, self.hist, kv_transfer_failure, kv_transfer_timeout_s)
+            RemotePrefills(
+                self.engine, prefill, self.hist, kv_transfer_failure, kv_transfer_timeout_s, span_of=self._span_of
+            )
             if prefill is not None
             else None
         )
@@ -151,6 +160,14 @@ class EngineReplica:
         else:
             self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
         job = _Job(rid, children, msg.arrival_wall, msg.ingress_id, box)
+        if msg.traceparent is not None:
+            job.trace = tracing.EngineRequestTrace.start(
+                msg.traceparent,
+                tracing.attributes_of(
+                    request_id=rid, replica=self.replica_id, n=msg.params.n, resumed=msg.resume is not None or None
+                ),
+                len(msg.prompt_token_ids),
+            )
         self._jobs[rid] = job
         box.active.add(rid)
         stream = self.engine.generate_tokens(
@@ -228,6 +245,7 @@ class EngineReplica:
         """Moves one request's outputs from the engine to its ingress's outbox."""
         pending: list = []
         last_sent = 0.0
+        error: BaseException | None = None
         try:
             async for out in stream:
                 self._observe(job, out)
@@ -243,6 +261,7 @@ class EngineReplica:
         except asyncio.CancelledError:
             pass  # finished by a stop string or aborted by the ingress: nobody waits for more
         except Exception as e:  # noqa: BLE001 - the ingress raises it for this request
+            error = e
             job.box.fail(job.request_id, e)
         finally:
             self._jobs.pop(job.request_id, None)
@@ -259,12 +278,23 @@ class EngineReplica:
                     self.finished[reason] = self.finished.get(reason, 0) + 1
             if completed and job.first_token is not None:
                 self.hist["e2e_request_latency_seconds"].observe(time.time() - job.arrival_wall)
+            if job.trace is not None:
+                job.trace.close(error, aborted=not completed and error is None)
             job.box.request_done(job.request_id)
             if job.box.idle and self._outboxes.get(job.ingress_id) is job.box:
                 del self._outboxes[job.ingress_id]  # also when its ingress never opened a channel
 
     def _observe(self, job: "_Job", out) -> None:
         rid, now = out.request_id, time.time()
+        if job.trace is not None:
+            job.trace.output(
+                len(out.new_token_ids),
+                out.queue_time,
+                out.num_cached_tokens,
+                out.finish_reason,
+                self.engine.step_count,
+                self.engine.snapshot.num_running,
+            )
         if out.new_token_ids:
             self.counters["generation_tokens"] += len(out.new_token_ids)
             if job.first_token is None:
@@ -301,6 +331,11 @@ class EngineReplica:
             job.task.cancel()  # its cleanup aborts it in the engine before the next step
         else:
             self.engine.abort(msg.request_id)
+
+    def _span_of(self, sequence_id: str):
+        """The engine span of the request a sequence belongs to (None: not traced)."""
+        job = self._jobs.get(parent_request_id(sequence_id))
+        return None if job is None or job.trace is None else job.trace.span
 
     async def prefill_kv(self, msg: PrefillKV, replica_id: str | None = None) -> PrefillKVDone:
         """Prefill pool: compute a decode replica's prompt and hand over its KV blocks."""

@@ -65,6 +65,11 @@ class RoutingLog:
             c["predicted_cached_tokens"] += predicted_tokens
             return predicted_tokens
 
+    def decision(self, request_id: str) -> Decision | None:
+        """The decision recorded for a routed request (None: not routed, or long gone)."""
+        with self._lock:
+            return self.decisions.get(request_id)
+
     def finished(self, request_id: str, actual_tokens: int) -> None:
         """`actual_tokens`: the engine's cached tokens for the request, a tail hit's included."""
         with self._lock:
