@@ -2,13 +2,15 @@
 replica (through the engine handle's RequestRouter), detokenizes incrementally and streams.
 
 HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings,
-/v1/models), TGI (/, /generate, /generate_stream, /info), operations (/health, /metrics).
+/v1/models), TGI (POST /, /generate, /generate_stream, /info), operations (/health, /metrics,
+/cluster/state), and the web page (GET /: a chat box and the cluster's state).
 Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or alias tier) their
 `model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
 /metrics cover every pool.
 Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
-`create_response` (the Responses API), `embeddings`, `generate` (TGI), `models`, `health`, `metrics`.
+`create_response` (the Responses API), `embeddings`, `generate` (TGI), `models`, `health`, `metrics`,
+`cluster_state`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
@@ -29,12 +31,14 @@ from starlette.types import Message, Send
 
 import router.tracing as tracing
 from router.config import AppConfig
+from router.ingress.cluster_state import pool_state
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
 from router.ingress.model_pools import ModelPools, PoolClient, SidePool
 from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, is_loopback, serve_http_host
 from router.ingress.responses_api import ResponsesAPI
 from router.ingress.shared_result import SharedResult
+from router.ingress.web_page import web_page
 from router.metrics import render_pools
 from router.replica_choice.routing_state import routing_state
 from router.tiering.policy import HINT_HEADER
@@ -90,6 +94,18 @@ def _sse_event(obj: dict) -> str:
     return f"event: {obj.get('type')}\n{_sse(obj)}"
 
 
+def _health_of(pool: PoolClient | SidePool, results: list[tuple[str, object]]) -> dict:
+    """A pool's /health entry from its replicas' health check answers (an exception: failed)."""
+    bad = [r for r, v in results if isinstance(v, BaseException)]
+    ok = len(results) >= pool.expected_replicas and not bad
+    return {
+        "status": "ok" if ok else "unavailable",
+        "replicas": len(results),
+        "expected_replicas": pool.expected_replicas,
+        "unhealthy": bad,
+    }
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
 class Ingress:
@@ -124,6 +140,7 @@ class Ingress:
         # shares the one in flight. The handle methods compute their own.
         self._shared_health = SharedResult(self.health)
         self._shared_metrics = SharedResult(self.metrics, ttl_s=0.0)
+        self._shared_state = SharedResult(self.cluster_state, ttl_s=0.0)
         try:
             self.app_name = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001
@@ -376,16 +393,8 @@ class Ingress:
 
         return list(await asyncio.gather(*(one(r) for r in ids)))
 
-    async def _pool_health(self, pool: PoolClient) -> dict:
-        results = await self._fan_out(pool, "check_health")
-        bad = [r for r, v in results if isinstance(v, BaseException)]
-        ok = len(results) >= pool.expected_replicas and not bad
-        return {
-            "status": "ok" if ok else "unavailable",
-            "replicas": len(results),
-            "expected_replicas": pool.expected_replicas,
-            "unhealthy": bad,
-        }
+    async def _pool_health(self, pool: PoolClient | SidePool) -> dict:
+        return _health_of(pool, await self._fan_out(pool, "check_health"))
 
     async def health(self) -> dict:
         """ok only when every pool has its expected replicas up and answering; the top-level
@@ -409,6 +418,28 @@ class Ingress:
 
     async def _stats(self, pool: PoolClient) -> list[dict]:
         return [v for _, v in await self._fan_out(pool, "stats") if isinstance(v, dict)]
+
+    async def cluster_state(self) -> dict:
+        """/cluster/state (the web page's state panel): per pool, each replica's health check and
+        stats, the pool's totals, and this router replica's queue and routing counts
+        (router/ingress/cluster_state.py)."""
+        watched: list[tuple[PoolClient | SidePool, str | None, dict | None]] = [
+            (p, None, p.client.stats()) for p in self.pools
+        ]
+        if self.prefill is not None:  # a disaggregated app: requests go to the decode pool
+            watched[0] = (watched[0][0], "decode", watched[0][2])
+            watched.append((self.prefill, "prefill", None))
+
+        async def one(pool: PoolClient | SidePool) -> tuple[list, list]:
+            return await asyncio.gather(self._fan_out(pool, "check_health"), self._fan_out(pool, "stats"))
+
+        answers = await asyncio.gather(*(one(p) for p, _, _ in watched))
+        routing = routing_state().log.stats()["per_replica"]
+        pools = [
+            pool_state(p.name, role, _health_of(p, checks), checks, stats, router, routing)
+            for (p, role, router), (checks, stats) in zip(watched, answers)
+        ]
+        return {"status": "ok" if all(p["status"] == "ok" for p in pools) else "unavailable", "pools": pools}
 
     async def metrics(self) -> bytes:
         pools = list(self.pools)
@@ -435,6 +466,22 @@ class Ingress:
             return error_response(e, api_path(request))
         page = await self._shared_metrics.get()
         return Response(page, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/cluster/state", response_model=None)  # the annotation is not a response model
+    async def http_cluster_state(self, request: Request) -> Response:
+        """What the web page's state panel shows: pools, replicas, load, KV usage, hit rates.
+        Behind the API key as /metrics is."""
+        try:
+            self._auth(request)
+        except APIError as e:
+            return error_response(e, api_path(request))
+        return JSONResponse(await self._shared_state.get(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/", include_in_schema=False)
+    async def http_page(self) -> Response:
+        """The web page (router/ingress/web/index.html): a chat box and the cluster's state. Static:
+        it carries no data, so it needs no key; its requests send the key the user types."""
+        return web_page()
 
     # --- Python handle API ------------------------------------------------------------------
 

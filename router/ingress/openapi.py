@@ -54,6 +54,12 @@ OPENAI_ERRORS = {
 TIER_HINTED = {("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/responses", "post")}
 # Routes without a body that still answer in the OpenAI error shape.
 BODILESS = {("/v1/responses/{response_id}", "get"), ("/v1/responses/{response_id}", "delete")}
+# Bodiless routes behind the API key that answer its errors in the OpenAI shape.
+KEYED = {("/cluster/state", "get")}
+KEY_ERRORS = {
+    "401": OPENAI_ERRORS["401"],
+    "403": "No API key is set and the Host header does not name this machine.",
+}
 # Event streams that end without `data: [DONE]`.
 NO_DONE = {"/v1/responses"}
 TIER_HINT = {
@@ -167,6 +173,10 @@ def openapi_with_bodies(app: FastAPI) -> Callable[[], dict[str, Any]]:
             if op is not None:
                 op["responses"].pop("422", None)
                 op["responses"].update(_error_responses(OPENAI_ERRORS, "OpenAIError"))
+        for path, method in KEYED:
+            op = spec["paths"].get(path, {}).get(method)
+            if op is not None:
+                op["responses"].update(_error_responses(KEY_ERRORS, "OpenAIError"))
         schemas.pop("HTTPValidationError", None)
         schemas.pop("ValidationError", None)
         app.openapi_schema = spec

@@ -227,6 +227,78 @@ class Health(PoolHealth):
     pools: dict[str, PoolHealth]
 
 
+class ReplicaLoad(BaseModel):
+    """An engine replica's figures, from its `stats`."""
+
+    num_running: int = Field(..., description="Sequences in its running batch.")
+    num_waiting: int = Field(..., description="Sequences not scheduled yet (preempted ones included).")
+    kv_usage: float = Field(..., description="Used KV blocks / its KV blocks (1 = full).")
+    blocks_used: int
+    num_blocks: int
+    prefix_cache_queries: int = Field(..., description="Prompt tokens looked up in the prefix cache, since start.")
+    prefix_cache_hits: int = Field(..., description="Of those, the tokens found (every tier).")
+    prefix_hit_rate: float = Field(..., description="prefix_cache_hits / prefix_cache_queries (0 with none).")
+    prompt_tokens: int = Field(..., description="Prompt tokens received, since start.")
+    generation_tokens: int = Field(..., description="Tokens generated, since start.")
+    queued: int = Field(..., description="Requests in its queue with no output yet.")
+    in_flight: int = Field(..., description="Requests it holds.")
+
+
+class ReplicaRouting(BaseModel):
+    """What this router replica sent to an engine replica (cache-aware routing), since start."""
+
+    routed: int
+    predicted_cached_tokens: int = Field(..., description="Prompt tokens the router expected cached there.")
+    actual_cached_tokens: int = Field(..., description="Prompt tokens the replica reported found in its cache.")
+
+
+class ReplicaState(BaseModel):
+    replica_id: str
+    healthy: bool = Field(..., description="It answered its health check.")
+    error: str | None = Field(..., description="Why its health check failed.")
+    node_id: str | None
+    load: ReplicaLoad | None = Field(..., description="None when its stats did not arrive.")
+    routing: ReplicaRouting | None = Field(..., description="None until this router replica sent it a request.")
+
+
+class PoolTotals(BaseModel):
+    """Sums over the pool's replicas whose stats arrived (as /metrics sums them)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_hit_rate: float
+
+
+class PoolRouter(BaseModel):
+    """This router replica's queue for the pool, and its failover counts."""
+
+    queued: int
+    in_flight: int
+    rejected: int
+    migrations: int
+    migration_failures: int
+
+
+class PoolState(BaseModel):
+    name: str
+    role: Literal["decode", "prefill"] | None = Field(..., description="In a disaggregated app; else None.")
+    status: Literal["ok", "unavailable"] = Field(..., description="As /health says it.")
+    expected_replicas: int
+    replicas: list[ReplicaState]
+    totals: PoolTotals
+    router: PoolRouter | None = Field(..., description="None for a pool this router sends no requests to.")
+
+
+class ClusterState(BaseModel):
+    """GET /cluster/state: what the web page (GET /) shows."""
+
+    status: Literal["ok", "unavailable"]
+    pools: list[PoolState]
+
+
 JSON = "application/json"
 SSE = "text/event-stream"
 # (path, method) -> {content type: model}. The SSE entries describe one `data:` event; a stream
@@ -243,6 +315,7 @@ SUCCESS: dict[tuple[str, str], dict[str, type[BaseModel]]] = {
     ("/v1/models", "get"): {JSON: ModelList},
     ("/info", "get"): {JSON: Info},
     ("/health", "get"): {JSON: Health},
+    ("/cluster/state", "get"): {JSON: ClusterState},
     ("/v1/watermark/detect", "post"): {JSON: WatermarkDetection},
     ("/v1/embeddings", "post"): {JSON: EmbeddingResponse},
     ("/tokenize", "post"): {JSON: TokenizeResponse},
