@@ -75,7 +75,7 @@ def test_named_function(client):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'},
     ]
     r = client.chat.completions.create(
-        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=20
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=20, temperature=0
     )
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
 
