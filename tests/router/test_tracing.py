@@ -19,6 +19,10 @@ import pytest
 import router.tracing as tracing
 from tests.router.conftest import BASE
 
+# The short chat prompt below is 36 tokens with the template, the long one 79; after the short
+# one, 32 of the long one's are cached (two 16-token blocks): 47 to compute, above this.
+LOCAL_PREFILL = 40
+
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 OTEL_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -204,22 +208,6 @@ def collector():
         server.shutdown()
 
 
-@pytest.fixture(scope="module")
-def traced_app(chat_stand_in, collector):
-    from tests.serve_cluster import serve_app
-
-    with serve_app(
-        "traced",
-        "/traced",
-        **BASE,
-        model=chat_stand_in,
-        served_model_name="stand-in",
-        num_replicas=1,
-        otlp_traces_endpoint=collector,
-    ) as app:
-        yield app
-
-
 def test_spans_reach_a_collector_over_otlp_http(clean_tracing, collector):
     """The exporter as deployed (OTLP/HTTP to the setting's endpoint), without Ray."""
     trace_id = "7" * 32
@@ -310,25 +298,28 @@ def test_one_tree_under_the_client_span_across_processes(traced_app, stream):
 
 
 @pytest.fixture(scope="module")
-def traced_pd_app(chat_stand_in, collector):
+def traced_app(chat_stand_in, collector):
+    """One traced app for every end-to-end test here (an app's start is most of their time):
+    disaggregated, so a chat prompt of over LOCAL_PREFILL uncached tokens is prefilled remotely
+    and a shorter one on the decode replica, as in a colocated app."""
     from tests.serve_cluster import serve_app
 
     with serve_app(
-        "traced-pd",
-        "/traced-pd",
+        "traced",
+        "/traced",
         **BASE,
         model=chat_stand_in,
         served_model_name="stand-in",
         num_replicas=1,
         prefill_replicas=1,
-        local_prefill_max_tokens=16,
+        local_prefill_max_tokens=LOCAL_PREFILL,
         otlp_traces_endpoint=collector,
     ) as app:
         yield app
 
 
 @pytest.mark.slow
-def test_remote_prefill_and_kv_transfer_spans(traced_pd_app):
+def test_remote_prefill_and_kv_transfer_spans(traced_app):
     """Disaggregated: the decode replica's remote prefill and KV transfer below its engine span,
     and the prefill replica's span below those: three processes, one trace."""
     trace_id = "8" * 32
@@ -339,7 +330,7 @@ def test_remote_prefill_and_kv_transfer_spans(traced_pd_app):
         "temperature": 0,
     }
     r = httpx.post(
-        f"{traced_pd_app['url']}/v1/chat/completions",
+        f"{traced_app['url']}/v1/chat/completions",
         json=body,
         headers={"traceparent": _traceparent(trace_id)},
         timeout=120,
