@@ -6,9 +6,11 @@ fetch_speed.py, engine/core/prefill_speed.py).
     fetch_s     = latency + extra_blocks * bytes_per_block / bandwidth
     recompute_s = extra_blocks * block_size / prefill_tokens_per_s
 
-Until a replica has measured a figure the defaults below stand in: the object store on one node
-moves about a GB/s through shared memory, a fetch's call costs a few milliseconds, and a CPU
-replica prefills in the thousands of tokens per second (SmolLM2-135M on 2 cores: ~1,500/s).
+Until a replica has measured a figure the defaults below stand in. They are assumptions, not
+measurements: a replica replaces the prefill speed after its first prefill step of 64 tokens or
+more, and the fetch figures after its first fetch. The prefill default is on the fast side for a
+CPU replica (docs/performance.md's offload-tier run recomputed a 1,000-token SmolLM2-135M prompt
+in 4.9 s on 2 shared cores), so an unmeasured replica leans towards recomputing.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ MODES = ("auto", "always", "off")  # AppConfig.kv_peer_fetch: by the cost model,
 MIN_EXTRA_BLOCKS = 2  # a smaller gain is not worth a round trip to another replica
 DEFAULT_FETCH_BYTES_PER_S = 1e9
 DEFAULT_FETCH_LATENCY_S = 0.01
-DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
+DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 
 
 def estimates(extra_blocks: int, block_size: int, stats: dict[str, Any]) -> tuple[float, float] | None:
