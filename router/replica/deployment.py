@@ -137,7 +137,7 @@ class EngineReplica:
             else None
         )
         self._pool: DeploymentHandle | None = None  # this pool's own handle, for fetches from peers
-        self.peer_fetches = PeerFetches(self.engine, self._pool_handle, self.hist)
+        self.peer_fetches = PeerFetches(self.engine, self._pool_handle, self.hist, span_of=self._span_of)
         self._kv_bytes_per_block = self.engine.kv_layout.bytes_per_block
         self.engine.on_kv_loads = self._kv_loads
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)

@@ -20,6 +20,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Iterable
 
+import router.tracing as tracing
 from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from router.messages import ExportCachedKV
 from router.metrics import KV_PEER_COUNTERS
@@ -27,6 +28,7 @@ from router.replica.fetch_speed import FetchSpeed
 from router.replica.kv_transport import KVHandle, receive_kv, send_kv
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
     from ray.serve.handle import DeploymentHandle
 
     from engine.async_engine import AsyncEngine
@@ -49,8 +51,11 @@ class PeerFetches:
         pool: Callable[[], DeploymentHandle],
         hist: dict[str, Histogram],
         timeout_s: float = PEER_FETCH_TIMEOUT_S,
+        span_of: Callable[[str], Span | None] = lambda sequence_id: None,
     ) -> None:
+        """`span_of`: a sequence's request span (router/tracing.py; None: not traced)."""
         self.engine, self.pool, self.hist, self.timeout_s = engine, pool, hist, timeout_s
+        self.span_of = span_of
         self.layout = engine.kv_layout
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the replica's first request
         self.tasks: dict[str, asyncio.Task] = {}  # sequence id -> its fetch
@@ -79,6 +84,12 @@ class PeerFetches:
 
     async def _fetch(self, load: KVLoadRequest) -> None:
         t0 = time.monotonic()
+        span = self.span_of(load.request_id)
+        if span is not None:
+            attributes = tracing.attributes_of(
+                sequence_id=load.request_id, holder=load.source, first_block=load.first_block, blocks=load.num_blocks
+            )
+            span = tracing.start_span("orbital.peer_fetch", span, attributes)
         msg = ExportCachedKV(
             load.request_id,
             load.prompt_token_ids,
@@ -104,9 +115,12 @@ class PeerFetches:
             self.counters["kv_peer_fetch_bytes"] += blocks.nbytes
             self.counters["kv_peer_tokens_fetched"] += load.num_blocks * self.layout.block_size
             self.hist["kv_peer_fetch_seconds"].observe(t2 - t0)
+            tracing.end(span, tracing.attributes_of(bytes=blocks.nbytes))
         except asyncio.CancelledError:
+            tracing.end(span, error="cancelled: the request ended")
             raise  # the request ended here; the engine already dropped it
         except Exception as e:  # noqa: BLE001 - any failure: recompute, never hang
+            tracing.end(span, error=e)
             self.counters["kv_peer_fetch_failures"] += 1
             reason = f"{type(e).__name__}: {e}".splitlines()[0][:300]
             log.warning("fetch of %s from replica %s failed (%s): recomputing", load.request_id, load.source, reason)
