@@ -67,6 +67,7 @@ class _Streams:
     def __init__(self, url: str, n: int) -> None:
         self.stop = threading.Event()
         self.ids: list[str] = []
+        self.errors: list[str] = []
         self.threads = []
         for i in range(n):
             started = threading.Event()
@@ -74,17 +75,21 @@ class _Streams:
             t.start()
             self.threads.append(t)
             assert started.wait(timeout=120), f"stream {i} did not start"
+            assert not self.errors, self.errors
 
     def _run(self, url: str, i: int, started: threading.Event) -> None:
         body = {
             "prompt": HOT + f"\nUser: recite stream {i}.\nAnswer:",
-            "max_tokens": 1500,
+            "max_tokens": 1200,  # with the ~720-token prompt, within max_model_len
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
         }
         try:
             with httpx.Client(timeout=120) as c, c.stream("POST", f"{url}/v1/completions", json=body) as s:
+                if s.status_code != 200:
+                    self.errors.append(f"stream {i}: {s.status_code} {s.read()[:300]!r}")
+                    return
                 for line in s.iter_lines():
                     if not started.is_set() and line.startswith("data: "):
                         self.ids.append(json.loads(line[6:])["id"])
