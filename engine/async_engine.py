@@ -11,6 +11,7 @@ Cancelling a stream (client gone) aborts the request before the next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable
 from engine.core.kv_events import KVEventLog
 from engine.engine_args import EngineArgs
 from engine.errors import EngineDeadError, EngineStepError, InvalidRequestError
-from engine.inbox import Abort, AddText, AddTokens, Finish, InboxMessage, KVFailed, LoadKV
+from engine.inbox import Abort, AddText, AddTokens, ExportCached, Finish, InboxMessage, KVFailed, LoadKV
 from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks, KVLayout
+from engine.kv_transfer.peer_prefix import PeerPrefix
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import EmbeddingOutput, EngineCoreOutput, RequestOutput
@@ -143,16 +145,19 @@ class AsyncEngine:
         resume: dict[str, list[int]] | None = None,
         kv_export_first_block: int | None = None,
         lora_request: LoRARequest | None = None,
+        peer_prefix: PeerPrefix | None = None,
     ) -> AsyncIterator[EngineCoreOutput]:
         """`resume`: see `InputProcessor.make_requests` (a request moved from another replica).
         `kv_export_first_block` (a prefill engine): the finishing output carries the request's KV
-        from that block on (`EngineCoreOutput.kv_blocks`)."""
+        from that block on (`EngineCoreOutput.kv_blocks`). `peer_prefix`: another engine holds
+        that much of the prompt (the KV loads handed to `on_kv_loads` then name its source)."""
         self._check_alive()
         ids = self.engine.inputs.check_token_ids(prompt_token_ids)
         lora = self.engine.resolve_lora(lora_request, register=False)
         reqs = await self._make_requests(request_id, ids, params, priority, arrival_time, resume, lora_request=lora)
         for r in reqs:
             r.kv_export_first_block = kv_export_first_block
+            r.peer_prefix = peer_prefix
         children = [r.request_id for r in reqs]
         stream = self._open(request_id, children)
         with self._lock:
@@ -187,6 +192,21 @@ class AsyncEngine:
     def kv_load_failed(self, child_id: str, error: str | None = None) -> None:
         """A remote prefill failed: recompute it here (`error` None) or fail the sequence."""
         self._submit(KVFailed(child_id, error))
+
+    async def export_cached_kv(
+        self,
+        prompt_token_ids: list[int],
+        first_block: int,
+        num_blocks: int,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+    ) -> KVBlocks | None:
+        """A peer's fetch: these blocks of the prompt's prefix from the prefix cache (None: not
+        all cached here). Read on the step thread between two steps, ahead of queued requests."""
+        self._check_alive()
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(ExportCached(list(prompt_token_ids), first_block, num_blocks, lora_request, cache_salt, reply))
+        return await asyncio.wrap_future(reply)
 
     def finish(self, child_ids: list[str]) -> None:
         """The text side matched a stop string: end these sequences and free their KV."""
@@ -328,6 +348,9 @@ class AsyncEngine:
             with self._lock:
                 for s in list(self._streams.values()):
                     s.put(EngineDeadError("engine shut down") if self._stopping else _DONE)
+                for m in self._inbox:  # peers' fetches nobody will read out
+                    if isinstance(m, ExportCached) and m.reply.set_running_or_notify_cancel():
+                        m.reply.set_exception(EngineDeadError("engine shut down"))
 
     def _has_work(self) -> bool:
         return self.engine.core.has_work() or self.engine.step_in_flight
@@ -350,6 +373,17 @@ class AsyncEngine:
                     eng.core.kv_load_failed(msg.child_id)
             case KVFailed():
                 eng.core.kv_load_failed(msg.child_id, msg.error)
+            case ExportCached():
+                if not msg.reply.set_running_or_notify_cancel():
+                    return  # the caller gave up
+                try:
+                    msg.reply.set_result(
+                        eng.core.export_cached_kv(
+                            msg.prompt_token_ids, msg.first_block, msg.num_blocks, msg.lora_request, msg.cache_salt
+                        )
+                    )
+                except Exception as e:  # noqa: BLE001 - the peer recomputes; this engine goes on
+                    msg.reply.set_exception(e)
             case Abort():
                 if msg.token_children:
                     eng.core.abort_requests(msg.token_children)

@@ -3,11 +3,13 @@ kind of message, applied between steps in arrival order."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.kv_transfer.blocks import KVBlocks
+    from engine.lora.request import LoRARequest
     from engine.request import Request
     from engine.sampling_params import SamplingParams
 
@@ -54,6 +56,19 @@ class KVFailed:
 
 
 @dataclass(frozen=True)
+class ExportCached:
+    """A peer's fetch: read these blocks of a prompt's prefix out of the prefix cache and answer
+    through `reply` (KVBlocks, or None when not all are cached)."""
+
+    prompt_token_ids: list[int]
+    first_block: int
+    num_blocks: int
+    lora_request: LoRARequest | None
+    cache_salt: str | None
+    reply: Future
+
+
+@dataclass(frozen=True)
 class Abort:
     """The client went away: a text-side request by id, or token-side children."""
 
@@ -61,4 +76,4 @@ class Abort:
     token_children: list[str] | None
 
 
-InboxMessage = AddText | AddTokens | Finish | LoadKV | KVFailed | Abort
+InboxMessage = AddText | AddTokens | Finish | LoadKV | KVFailed | ExportCached | Abort

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.kv_transfer.peer_prefix import PeerPrefix
     from engine.lora.request import LoRARequest
     from engine.structured.matcher import GrammarMatcher
 
@@ -80,6 +81,9 @@ class Request:
     # Disaggregated serving (engine/kv_transfer/), prefill side: read out blocks from this index
     # on at finish.
     kv_export_first_block: int | None = None
+    # Decode side of a fetch from a peer engine: it holds this many leading prompt tokens
+    # (engine/kv_transfer/peer_prefix.py); None: no hint.
+    peer_prefix: PeerPrefix | None = None
     # Structured outputs (engine/structured/): where the output stands in its grammar.
     grammar: GrammarMatcher | None = None
     # Multi-LoRA (engine/lora/): the adapter this sequence runs with (None: the base model). It

@@ -42,6 +42,12 @@ class EngineStats:
     num_remote_prefills: int = 0
     num_local_prefills: int = 0
     num_remote_prefill_failures: int = 0
+    # Fetches from a peer's prefix cache (any engine, cumulative): asked of the caller, and of
+    # those the ones that failed (recomputed here).
+    num_peer_fetches: int = 0
+    num_peer_fetch_failures: int = 0
+    # Prompt tokens per second of this engine's prefill steps (a moving average; None: none yet).
+    prefill_tokens_per_s: float | None = None
     # Multi-LoRA (engine/lora/slots.py): adapters held in host memory (least recently used first),
     # and cumulative: adapters read from disk, adapters dropped from host memory.
     lora_loaded: tuple[str, ...] = ()

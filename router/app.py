@@ -89,7 +89,12 @@ def routing_kwargs(cfg: AppConfig) -> dict:
     policy = cfg.routing
     if policy == "cache-aware" and not cfg.enable_prefix_caching:
         policy = "least-loaded"  # nothing to find: engines publish no blocks
-    return {"policy": policy, "block_size": cfg.block_size, "kv_cache_dtype": cfg.kv_cache_dtype}
+    return {
+        "policy": policy,
+        "block_size": cfg.block_size,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
+        "peer_fetch": cfg.kv_peer_fetch,
+    }
 
 
 def engine_deployment_names(cfg: AppConfig) -> list[str]:

@@ -37,6 +37,12 @@ def _d(field: str):
     return AppConfig.model_fields[field].default
 
 
+def _peer_fetch_modes() -> tuple[str, ...]:
+    from router.replica_choice.peer_fetch_plan import MODES
+
+    return MODES
+
+
 def _reasoning_parsers() -> tuple[str, ...]:
     from router.config import REASONING_PARSERS
 
@@ -220,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["cache-aware", "least-loaded", "round-robin"],
         help="engine replica choice (cache-aware: the replica holding most of the prompt's KV blocks)",
     )
+    s.add_argument(
+        "--kv-peer-fetch",
+        default=_d("kv_peer_fetch"),
+        choices=list(_peer_fetch_modes()),
+        help="cache-aware routing: a request sent away from the replica holding its prefix fetches the prefix's "
+        "KV from it (auto: when estimated cheaper than recomputing; always; off)",
+    )
     s.add_argument("--max-queued-requests-per-replica", type=int, default=_d("max_queued_requests_per_replica"))
     s.add_argument("--request-timeout-s", type=float, default=_d("request_timeout_s"))
     s.add_argument(
@@ -352,6 +365,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         cpus_per_worker=cpus,
         max_queued_requests=a.max_queued_requests,
         routing=a.routing,
+        kv_peer_fetch=a.kv_peer_fetch,
         max_queued_requests_per_replica=a.max_queued_requests_per_replica,
         request_timeout_s=a.request_timeout_s,
         tool_call_parser=a.tool_call_parser,

@@ -21,6 +21,7 @@ from engine.config import ParallelConfig
 from engine.engine_args import EngineArgs as _E
 from engine.pipeline import parse_partition
 from engine.watermark import Watermark
+from router.replica_choice.peer_fetch_plan import MODES as PEER_FETCH_MODES
 from router.tiering.settings import TierRouting
 
 ENV_KEY = "ORBITAL_API_KEY"  # the bearer key's default environment variable
@@ -192,6 +193,13 @@ class AppConfig(BaseModel):
         "cache-aware",
         description="Replica choice: cache-aware (the replica holding most of the prompt's KV blocks, "
         "within a load guard; least-loaded when prefix caching is off), least-loaded or round-robin.",
+    )
+    kv_peer_fetch: Literal[PEER_FETCH_MODES] = Field(
+        "auto",
+        description="Cache-aware routing: when the load guard sends a request away from the replica holding "
+        "its prefix, the chosen replica fetches the prefix's KV from that one instead of recomputing it: when "
+        "its measured transfer and prefill speeds say the fetch is cheaper (auto), whenever it holds at least "
+        "2 blocks more (always), or never (off).",
     )
     max_queued_requests: int = Field(
         256, ge=1, description="Queued (no token yet) requests per router replica; past it: 429."

@@ -17,6 +17,9 @@ replica -> ingress (the KV event feed, `kv_events`, one short-lived streaming ca
 decode replica -> prefill replica (disaggregated serving, router/replica/prefill_client.py):
   * `PrefillKV`: compute these tokens and hand over their KV from block `first_block` on;
     answered with `PrefillKVDone` (a router.replica.kv_transport.KVHandle and the compute time).
+replica -> replica of the same pool (a fetch from a peer, router/replica/peer_fetch.py):
+  * `ExportCachedKV`: read these blocks of a prompt's prefix out of your prefix cache; answered
+    with a router.replica.kv_transport.KVHandle, or None when they are not all cached there.
 replica -> ingress (once, when the model path does not exist where the ingress runs):
   * `TextSideFiles`: the model directory's tokenizer, config and chat template, no weights.
 `decode` checks the type once, where the bytes come in.
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 
 from engine.core.kv_events import KVEventBatch, KVSnapshot
 from engine.kv_transfer.blocks import KVLayout
+from engine.kv_transfer.peer_prefix import PeerPrefix
 from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
@@ -59,6 +63,21 @@ class SubmitRequest:
     lora_request: LoRARequest | None = None
     # W3C trace context of the router's span of this request (router/tracing.py); None: not traced.
     traceparent: str | None = None
+    # Set by the replica choice when it sent the request away from the replica holding more of
+    # its prefix (PeerPrefix.source: that replica's id): the replica fetches those blocks from
+    # it when it holds fewer itself (router/replica/peer_fetch.py). None: no fetch.
+    peer_prefix: PeerPrefix | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ExportCachedKV:
+    request_id: str  # the fetching replica's sequence id (logs)
+    prompt_token_ids: list[int]  # the prompt's leading tokens, whole blocks
+    first_block: int  # the fetching replica holds the blocks before it
+    num_blocks: int
+    layout: KVLayout  # the fetching replica's: a holder with another one refuses
+    lora_request: LoRARequest | None = None  # the blocks' chain is the adapter's
+    cache_salt: str | None = None  # and the salt's
 
 
 @dataclass(frozen=True, slots=True)

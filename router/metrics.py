@@ -95,6 +95,17 @@ HISTOGRAMS = {
     # remote prefill (asking the prefill pool, its compute, the transfer).
     "kv_transfer_seconds": (TTFT_BUCKETS, "Time to move one prefill's KV blocks into a decode replica."),
     "remote_prefill_seconds": (TTFT_BUCKETS, "Time from asking the prefill pool to the KV written (decode side)."),
+    # Fetches from a peer (router/replica/peer_fetch.py): asking the holder to the KV handed over.
+    "kv_peer_fetch_seconds": (TTFT_BUCKETS, "Time to fetch a prompt's prefix from the replica holding it."),
+}
+# Fetches of a prompt's prefix from the replica holding it (router/replica/peer_fetch.py), from
+# every engine replica's stats: stats key -> help. Part of COUNTERS.
+KV_PEER_COUNTERS = {
+    "kv_peer_fetches": "Prompt prefixes fetched from the replica holding them instead of recomputed.",
+    "kv_peer_fetch_failures": "Fetches from a peer that failed (holder gone, blocks evicted, timeout): recomputed.",
+    "kv_peer_fetch_bytes": "KV bytes fetched from peers.",
+    "kv_peer_tokens_fetched": "Prompt tokens whose KV was fetched from a peer: recomputes avoided.",
+    "kv_peer_exports": "Prompt prefixes this pool's replicas read out of their prefix cache for a peer.",
 }
 COUNTERS = {
     "prompt_tokens": "Prompt tokens processed.",
@@ -107,6 +118,7 @@ COUNTERS = {
     "offload_load_failures": "Offload tier loads that failed (file damaged or gone): recomputed.",
     "num_preemptions": "Requests preempted by the scheduler.",
     "num_request_faults": "Requests failed alone because their engine step raised (the engine went on).",
+    **KV_PEER_COUNTERS,
 }
 # Speculative decoding, named as vLLM's: metric name -> (engine stats key, help).
 SPEC_COUNTERS = {
@@ -218,6 +230,7 @@ ROUTING_COUNTERS = {
     "routed": "Requests this router sent to the engine replica.",
     "predicted_cached_tokens": "Prompt tokens the router predicted cached on the replica it chose (cache-aware).",
     "actual_cached_tokens": "Prompt tokens the engine replica reported as prefix-cache hits for those requests, in whole blocks.",
+    "peer_fetches_planned": "Requests sent to the engine replica with a hint to fetch their prefix from another one.",
 }
 
 

@@ -21,7 +21,8 @@ Spans (attribute names under `orbital.` unless a semantic convention has one):
     before the first schedule; one `orbital.engine.step` event per engine step the request got
     tokens from, the first MAX_STEP_EVENTS of them (the rest counted);
   * disaggregated serving: `orbital.remote_prefill` (decode replica, below `orbital.engine`) with
-    a child `orbital.kv_transfer`, and `orbital.prefill` in the prefill replica below it.
+    a child `orbital.kv_transfer`, and `orbital.prefill` in the prefill replica below it;
+  * a fetch from a peer: `orbital.peer_fetch` (below `orbital.engine`): the holder, blocks, bytes.
 The engine itself knows nothing of this: the replica builds its spans from the outputs and
 times the engine already reports.
 """

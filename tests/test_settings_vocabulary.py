@@ -14,6 +14,7 @@ import pytest
 from engine import choices
 from engine.engine_args import EngineArgs
 from router.config import REASONING_PARSERS, AppConfig
+from router.replica_choice.peer_fetch_plan import MODES as PEER_FETCH_MODES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # setting -> (its vocabulary, AppConfig's field, the flag in both CLIs or None)
@@ -124,12 +125,24 @@ def test_reasoning_parsers_are_one_vocabulary():
     assert _flags(build_parser())["--reasoning-parser"].choices == list(REASONING_PARSERS)
 
 
+def test_peer_fetch_modes_are_one_vocabulary():
+    """A router setting: its values live in router/replica_choice/peer_fetch_plan.py, read by
+    AppConfig, the CLI and the request router."""
+    from router.cli import build_parser
+
+    info = AppConfig.model_fields["kv_peer_fetch"]
+    assert _literal_values(info.annotation) == set(PEER_FETCH_MODES) and info.default in PEER_FETCH_MODES
+    flag = _flags(build_parser())["--kv-peer-fetch"]
+    assert flag.choices == list(PEER_FETCH_MODES) and flag.default == info.default
+
+
 def test_no_second_spelling_of_a_vocabulary():
     """A literal tuple/list/set equal to one of the vocabularies, anywhere in the product code
     but engine/choices.py (and router/config.py's one REASONING_PARSERS), is a second definition
     (it would drift)."""
     vocabularies = {frozenset(v) for v, _, _ in SETTINGS.values()} | {frozenset(choices.SPECULATIVE_METHODS)}
     vocabularies.add(frozenset(REASONING_PARSERS))
+    vocabularies.add(frozenset(PEER_FETCH_MODES))
     found = []
     for package in ("engine", "router", "workers", "loadtest"):
         for path in (ROOT / package).rglob("*.py"):
@@ -140,9 +153,13 @@ def test_no_second_spelling_of_a_vocabulary():
                     consts = [e.value for e in node.elts if isinstance(e, ast.Constant)]
                     if len(consts) == len(node.elts) and frozenset(consts) in vocabularies:
                         found.append((f"{path.relative_to(ROOT)}", frozenset(consts), node.lineno))
-    definition = ("router/config.py", frozenset(REASONING_PARSERS))
-    assert [f[:2] for f in found].count(definition) == 1, found
-    assert [f for f in found if f[:2] != definition] == [], found
+    definitions = [
+        ("router/config.py", frozenset(REASONING_PARSERS)),
+        ("router/replica_choice/peer_fetch_plan.py", frozenset(PEER_FETCH_MODES)),
+    ]
+    for definition in definitions:
+        assert [f[:2] for f in found].count(definition) == 1, found
+    assert [f for f in found if f[:2] not in definitions] == [], found
 
 
 def test_the_engine_refuses_what_the_vocabulary_leaves_out():

@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_events import KVEventLog
+from engine.core.prefill_speed import PrefillSpeed
 from engine.core.scheduler import Scheduler
 from engine.errors import EngineDeadError
 from engine.kv_transfer.awaiting_kv import KVLoadRequest
 from engine.kv_transfer.blocks import KVBlocks
+from engine.kv_transfer.cached_export import export_cached
 from engine.kv_transfer.config import KVTransferConfig
 from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus
@@ -25,6 +27,7 @@ from engine.step_threads import StepThreads
 
 if TYPE_CHECKING:
     from engine.lora.config import LoRAConfig
+    from engine.lora.request import LoRARequest
     from engine.spec_decode.draft_model import DraftModelProposer
 
 
@@ -66,6 +69,7 @@ class EngineCore:
         self._pipe: deque[StepInFlight] = deque()
         self.max_in_flight = executor.max_concurrent_batches
         self.max_in_flight_seen = 0
+        self.prefill_speed = PrefillSpeed()  # what a fetch from a peer is weighed against
 
     @property
     def max_in_flight(self) -> int:
@@ -146,7 +150,9 @@ class EngineCore:
         except Exception as e:
             later = [] if isinstance(e, EngineDeadError) else self._abandon_pipe()
             return self._step_failed(so, e) + later
-        self.scheduler.observe_step_time(so, time.perf_counter() - step.started)
+        seconds = time.perf_counter() - step.started
+        self.scheduler.observe_step_time(so, seconds)
+        self.prefill_speed.observe(so.num_scheduled_tokens.values(), seconds)
         outputs = self.scheduler.update_from_output(so, mro)
         self._export_kv(outputs)
         return outputs
@@ -220,6 +226,27 @@ class EngineCore:
         """A remote prefill failed: recompute it here (`error` None) or fail the request."""
         self.scheduler.remote_kv_done(request_id, loaded=False, error=error)
 
+    def export_cached_kv(
+        self,
+        prompt_token_ids: list[int],
+        first_block: int,
+        num_blocks: int,
+        lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
+    ) -> KVBlocks | None:
+        """A peer's fetch: these blocks of the prompt's prefix, read out of this engine's prefix
+        cache (None: not all of them are cached here). Between steps only."""
+        return export_cached(
+            self.scheduler.kv_cache_manager,
+            self.executor.read_kv_blocks,
+            self.kv_layout,
+            prompt_token_ids,
+            first_block,
+            num_blocks,
+            lora_request,
+            cache_salt,
+        )
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
@@ -231,6 +258,7 @@ class EngineCore:
             self.scheduler.snapshot(),
             num_steps_in_flight=len(self._pipe),
             max_steps_in_flight=self.max_in_flight_seen,
+            prefill_tokens_per_s=self.prefill_speed.tokens_per_s,
         )
 
     def stats(self) -> dict:

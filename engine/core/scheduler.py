@@ -91,9 +91,10 @@ class Scheduler:
             Drafting(spec_config, scheduler_config, step_cost, draft_model) if spec_config is not None else None
         )
         self._truncated: dict[str, int] = {}  # block tables cut since the last schedule()
-        # Disaggregated serving (None: colocated). Decode side: requests waiting for remote KV.
-        # Prefill side: finished requests whose blocks are read out before they are freed.
-        self.remote = RemotePrefill(kv_transfer, self.kv_cache_manager) if kv_transfer is not None else None
+        # Requests waiting for KV from elsewhere: a prefill engine's (disaggregated serving, decode
+        # side) or a peer's prefix cache (any engine). Prefill side: finished requests whose blocks
+        # are read out before they are freed.
+        self.remote = RemotePrefill(kv_transfer, self.kv_cache_manager)
         self.exports = KVExports(self.kv_cache_manager)
         self.faults = StepFaults()
         self._preempted_unsent: set[str] = set()  # preempted outside schedule(): the next step tells the runner
@@ -145,8 +146,7 @@ class Scheduler:
             elif req in self.waiting:
                 self.waiting.remove(req)
             else:
-                if self.remote is not None:
-                    self.remote.forget(rid)
+                self.remote.forget(rid)
                 if self.offload is not None:
                     self.offload.forget(rid)
             req.status = status
@@ -186,7 +186,7 @@ class Scheduler:
     @property
     def num_waiting_for_remote_kv(self) -> int:
         """Requests holding blocks while their KV arrives: from a prefill engine or the offload tier."""
-        remote = len(self.remote.waiting) if self.remote is not None else 0
+        remote = len(self.remote.waiting)
         return remote + (len(self.offload.waiting) if self.offload is not None else 0)
 
     # --- schedule ---------------------------------------------------------------------------
@@ -330,11 +330,14 @@ class Scheduler:
                     hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
                     offloaded = self.kv_cache_manager.offload_hits(req, len(hit_blocks))
                     num_offloaded = len(offloaded) * self.block_size
-                    remote = self.remote.remote_tokens(req, num_hit + num_offloaded) if self.remote is not None else 0
+                    remote = self.remote.remote_tokens(req, num_hit + num_offloaded)
+                    source = None
+                    if not remote and (peer := self.remote.peer_tokens(req, num_hit + num_offloaded)):
+                        remote, source = peer, req.peer_prefix.source  # a peer holds more: all past the pool's hits
                     if (remote or offloaded) and self.lora is not None:
                         self.lora.release(req.request_id)  # pinned again once its KV is here
-                    if remote:  # the prefill engine computes all past the pool's hits
-                        if not self.remote.hold(req, hit_blocks, num_hit, remote):
+                    if remote:  # the prefill engine (or the peer) provides all past the pool's hits
+                        if not self.remote.hold(req, hit_blocks, num_hit, remote, source):
                             break
                         self.waiting.popleft()  # waits in self.remote until its KV arrives
                         continue
@@ -512,16 +515,16 @@ class Scheduler:
 
     def take_kv_loads(self) -> list[KVLoadRequest]:
         """Remote prefills asked for since the last call (the caller performs them)."""
-        return self.remote.take_loads() if self.remote is not None else []
+        return self.remote.take_loads()
 
     def remote_kv_target(self, request_id: str) -> list[int] | None:
         """The block ids a load's contents go to; None when the request is gone (aborted)."""
-        return self.remote.target(request_id) if self.remote is not None else None
+        return self.remote.target(request_id)
 
     def remote_kv_done(self, request_id: str, loaded: bool, error: str | None = None) -> None:
         """A load ended. `loaded`: its contents are in the blocks; else they are recomputed here,
         or with `error` the request fails with it."""
-        req = self.remote.finish(request_id, loaded) if self.remote is not None else None
+        req = self.remote.finish(request_id, loaded)
         if req is None:
             return
         if not loaded and error is not None:
@@ -672,10 +675,12 @@ class Scheduler:
             spec_num_drafts=d.num_drafts if d else 0,
             spec_num_draft_tokens=d.num_draft_tokens if d else 0,
             spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
-            num_waiting_for_remote_kv=len(rp.waiting) if rp else 0,
-            num_remote_prefills=rp.num_remote if rp else 0,
-            num_local_prefills=rp.num_local if rp else 0,
-            num_remote_prefill_failures=rp.num_failed if rp else 0,
+            num_waiting_for_remote_kv=len(rp.waiting),
+            num_remote_prefills=rp.num_remote,
+            num_local_prefills=rp.num_local,
+            num_remote_prefill_failures=rp.num_failed,
+            num_peer_fetches=rp.num_peer,
+            num_peer_fetch_failures=rp.num_peer_failed,
             lora_loaded=tuple(self.lora.loaded()) if self.lora else (),
             num_lora_loads=self.lora.num_loads if self.lora else 0,
             num_lora_evictions=self.lora.num_evictions if self.lora else 0,
@@ -695,8 +700,7 @@ class Scheduler:
         holders = {r.request_id for r in self.running} | {
             r.request_id for r in self.waiting if r.status == RequestStatus.WAITING and self._holds_blocks(r)
         }
-        if self.remote is not None:
-            holders |= set(self.remote.waiting)
+        holders |= set(self.remote.waiting)
         if self.offload is not None:
             holders |= set(self.offload.waiting)
         assert set(self.kv_cache_manager.req_to_blocks) <= holders

@@ -8,6 +8,11 @@ until their contents arrive. The caller fetches the KV of `prompt[:-1]` from `fi
 logprobs and stop checks stay local) and hands it back; then the request is scheduled like one
 with `num_computed_tokens` tokens already computed. A failed load either recomputes here or fails
 the request (the caller's policy).
+
+A fetch from a peer (any engine, colocated ones too) takes the same path: a fresh request whose
+`peer_prefix` hint says another engine holds more of its prompt than this one's prefix cache
+holds blocks for the hinted tokens and waits while the caller copies them from that engine's
+prefix cache (`KVLoadRequest.source`); a failed fetch always recomputes here.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class KVLoadRequest:
     first_block: int
     num_blocks: int
     lora_request: LoRARequest | None = None  # the prefill runs with the sequence's adapter
+    # A fetch from a peer's prefix cache (PeerPrefix.source, opaque here); None: a remote prefill.
+    source: str | None = None
+    cache_salt: str | None = None  # the sequence's: a peer looks its blocks up under it
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +50,9 @@ class KVLoadRequest:
 
 
 class RemotePrefill:
-    def __init__(self, config: KVTransferConfig, kv_cache_manager: KVCacheManager) -> None:
+    """`config` None: a colocated engine (no remote prefills; fetches from peers only)."""
+
+    def __init__(self, config: KVTransferConfig | None, kv_cache_manager: KVCacheManager) -> None:
         self.config, self.kv_cache_manager = config, kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.waiting: dict[str, tuple[Request, KVLoadRequest]] = {}  # WAITING_FOR_REMOTE_KV
@@ -50,13 +60,16 @@ class RemotePrefill:
         self.num_remote = 0  # prefills asked of a prefill engine
         self.num_local = 0  # prefills this (decode) engine did itself: short uncached suffix
         self.num_failed = 0  # loads that failed (recomputed here or failed the request)
+        self.num_peer = 0  # fetches asked of a peer
+        self.num_peer_failed = 0  # of which failed (recomputed here)
 
     def remote_tokens(self, req: Request, num_hit: int) -> int:
         """How many leading prompt tokens to fetch (0: prefill here). Only a fresh request:
         not one resumed from another replica, preempted, or reading every prompt position. (One
         whose remote prefill already ended holds its blocks; the scheduler does not ask.)"""
         if (
-            self.config.role != "decode"
+            self.config is None
+            or self.config.role != "decode"
             or req.num_output_tokens
             or req.num_preemptions
             or req.sampling_params.needs_every_prompt_position
@@ -68,10 +81,30 @@ class RemotePrefill:
             return 0
         return need
 
-    def hold(self, req: Request, hit_blocks: list[KVCacheBlock], num_hit: int, num_tokens: int) -> bool:
+    def peer_tokens(self, req: Request, num_local: int) -> int:
+        """How many leading prompt tokens to fetch from the peer its hint names (0: none), when
+        this engine has `num_local` of them (pool and offload tier). Whole blocks, never the last
+        prompt token, at least one block more than here; a fresh request only, as `remote_tokens`."""
+        hint = req.peer_prefix
+        if (
+            hint is None
+            or req.num_output_tokens
+            or req.num_preemptions
+            or req.sampling_params.needs_every_prompt_position
+            or not self.kv_cache_manager.can_share(req)
+        ):
+            return 0
+        bs = self.block_size
+        n = min(hint.num_tokens, req.num_prompt_tokens - 1) // bs * bs
+        return n if n - num_local >= bs else 0
+
+    def hold(
+        self, req: Request, hit_blocks: list[KVCacheBlock], num_hit: int, num_tokens: int, source: str | None = None
+    ) -> bool:
         """Hold blocks for the first `num_tokens` prompt tokens (the `num_hit` of them in
-        `hit_blocks` are here already) and wait for the KV of the rest. False: the pool is
-        short, nothing changed."""
+        `hit_blocks` are here already) and wait for the KV of the rest. `source`: fetched from
+        that peer's prefix cache (else a remote prefill). False: the pool is short, nothing
+        changed."""
         if self.kv_cache_manager.allocate_slots(req, num_tokens - num_hit, hit_blocks, publish=False) is None:
             return False
         req.num_computed_tokens = num_hit
@@ -82,11 +115,20 @@ class RemotePrefill:
         block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         first = num_hit // self.block_size
         load = KVLoadRequest(
-            req.request_id, list(req.prompt_token_ids[:num_tokens]), first, len(block_ids) - first, req.lora_request
+            req.request_id,
+            list(req.prompt_token_ids[:num_tokens]),
+            first,
+            len(block_ids) - first,
+            req.lora_request,
+            source,
+            req.cache_salt,
         )
         self.waiting[req.request_id] = (req, load)
         self._loads.append(load)
-        self.num_remote += 1
+        if source is None:
+            self.num_remote += 1
+        else:
+            self.num_peer += 1
         return True
 
     def take_loads(self) -> list[KVLoadRequest]:
@@ -112,7 +154,11 @@ class RemotePrefill:
         req, load = entry
         if loaded:
             req.num_computed_tokens = load.num_tokens
+            if load.source is not None:  # not computed for this request: cached in the cluster
+                req.num_cached_tokens = load.num_tokens
             self.kv_cache_manager.publish_blocks(req, load.num_tokens)
+        elif load.source is not None:
+            self.num_peer_failed += 1
         else:
             self.num_failed += 1
         return req

@@ -12,6 +12,8 @@ handle, with the messages of `router/messages.py`:
     snapshot first, when those are gone or the epoch is another engine's), for a few seconds;
     the ingress's cache-aware routing calls it again and again (router/ingress/kv_subscriber.py).
     The same batches also ride on the output channels of ingresses with requests here;
+  * `export_cached_kv(ExportCachedKV)` (from a replica of the same pool): blocks of a prompt's
+    prefix read out of this replica's prefix cache, as a KVHandle (router/replica/peer_fetch.py);
   * `stats()`, `check_health()` (also Serve's health check).
   * `record_routing_stats()`: Serve polls it; the ingress's replica choice reads it.
 Every method takes an optional `replica_id`: the ingress pins calls to one replica with it (see
@@ -43,6 +45,7 @@ from engine.request import child_request_ids, parent_request_id
 from router.backpressure import ReplicaQueue
 from router.messages import (
     AbortRequest,
+    ExportCachedKV,
     FinishSequences,
     PrefillKV,
     PrefillKVDone,
@@ -52,7 +55,9 @@ from router.messages import (
 from router.metrics import COUNTERS, new_histograms
 from router.replica.autoscaling_stats import AutoscalingStats
 from router.replica.kv_feed import KVFeed
+from router.replica.kv_transport import KVHandle
 from router.replica.outbox import Outbox
+from router.replica.peer_fetch import PeerFetches
 from router.replica.prefill_client import RemotePrefills, prefill_kv
 from workers.executor_factory import make_executor
 
@@ -131,6 +136,10 @@ class EngineReplica:
             if prefill is not None
             else None
         )
+        self._pool: DeploymentHandle | None = None  # this pool's own handle, for fetches from peers
+        self.peer_fetches = PeerFetches(self.engine, self._pool_handle, self.hist, span_of=self._span_of)
+        self._kv_bytes_per_block = self.engine.kv_layout.bytes_per_block
+        self.engine.on_kv_loads = self._kv_loads
         log.info("engine replica %s ready: %s", self.replica_id, self.engine.model_config.served_name)
 
     # --- generation -------------------------------------------------------------------------
@@ -145,6 +154,7 @@ class EngineReplica:
             self._lease_task = self.kv_feed.loop.create_task(self._expire_leases())
         if self.remote_prefills is not None:
             self.remote_prefills.loop = self.kv_feed.loop
+        self.peer_fetches.loop = self.kv_feed.loop
         rid = msg.request_id
         if rid in self._jobs:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
@@ -178,6 +188,8 @@ class EngineReplica:
             arrival_time=job.arrival_mono,
             resume=msg.resume,
             lora_request=msg.lora_request,
+            # A hint naming this very replica: the router ranked the holder first after all.
+            peer_prefix=msg.peer_prefix if msg.peer_prefix and msg.peer_prefix.source != self.replica_id else None,
         )
         job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, msg.batch_interval_s))
         return self.replica_id
@@ -271,6 +283,7 @@ class EngineReplica:
                 self.engine.abort(job.request_id)
             if self.remote_prefills is not None:
                 self.remote_prefills.cancel(job.children)
+            self.peer_fetches.cancel(job.children)
             await stream.aclose()
             for c in job.children:
                 if c not in job.children_done:
@@ -337,6 +350,29 @@ class EngineReplica:
         job = self._jobs.get(parent_request_id(sequence_id))
         return None if job is None or job.trace is None else job.trace.span
 
+    def _kv_loads(self, loads: list) -> None:
+        """On the engine's step thread: the KV the engine waits for, from a peer (`source` set)
+        or the prefill pool."""
+        peer = [x for x in loads if x.source is not None]
+        remote = [x for x in loads if x.source is None]
+        if peer:
+            self.peer_fetches.start(peer)
+        if remote and self.remote_prefills is not None:
+            self.remote_prefills.start(remote)
+        else:
+            for load in remote:  # no prefill pool here: prefill locally
+                self.engine.kv_load_failed(load.request_id)
+
+    def _pool_handle(self) -> DeploymentHandle:
+        if self._pool is None:
+            ctx = serve.get_replica_context()
+            self._pool = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+        return self._pool
+
+    async def export_cached_kv(self, msg: ExportCachedKV, replica_id: str | None = None) -> KVHandle | None:
+        """A peer of this pool fetches a prompt's prefix cached here (None: not all cached)."""
+        return await self.peer_fetches.export(msg)
+
     async def prefill_kv(self, msg: PrefillKV, replica_id: str | None = None) -> PrefillKVDone:
         """Prefill pool: compute a decode replica's prompt and hand over its KV blocks."""
         self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
@@ -369,6 +405,8 @@ class EngineReplica:
         s["alive"] = self.engine.is_alive()
         if self.remote_prefills is not None:
             s.update(self.remote_prefills.counters)
+        s.update(self.peer_fetches.counters)
+        s.update(self._speeds())
         for k in COUNTERS:
             s.setdefault(k, 0)
         return s
@@ -383,6 +421,17 @@ class EngineReplica:
             "queued": len(self.queue.queued),
             "in_flight": self.queue.in_flight,
             "lora_loaded": list(snap.lora_loaded),  # adapter-aware replica choice
+            **self._speeds(),  # whether a fetch from a peer beats recomputing here
+        }
+
+    def _speeds(self) -> dict:
+        """Measured here (None: not yet; the replica choice then assumes its defaults)."""
+        speed = self.peer_fetches.speed
+        return {
+            "prefill_tokens_per_s": self.engine.snapshot.prefill_tokens_per_s,
+            "kv_fetch_bytes_per_s": speed.bytes_per_s,
+            "kv_fetch_latency_s": speed.latency_s,
+            "kv_bytes_per_block": self._kv_bytes_per_block,
         }
 
     def record_autoscaling_stats(self) -> dict:

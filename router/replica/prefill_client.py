@@ -58,9 +58,9 @@ class RemotePrefills:
         self.loop: asyncio.AbstractEventLoop | None = None  # set by the replica's first request
         self.tasks: dict[str, asyncio.Task] = {}  # sequence id -> its load
         self.counters = {k: 0 for k in KV_TRANSFER_COUNTERS if k.startswith("kv_transfer")}
-        engine.on_kv_loads = self._from_step_thread
 
-    def _from_step_thread(self, loads: list[KVLoadRequest]) -> None:
+    def start(self, loads: list[KVLoadRequest]) -> None:
+        """From the engine's step thread (the replica hands over the loads without a source)."""
         loop = self.loop
         if loop is None:  # no request came through this replica's loop yet: prefill here
             for load in loads:

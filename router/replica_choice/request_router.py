@@ -15,6 +15,9 @@ deployment:
       - cache-aware: the replica holding the longest cached prefix of the prompt, within a
         load guard (`cache_aware.py`), from the exact index of the replicas' KV events
         (`kv_index.py`); a routed request's blocks count as held there at once (pending).
+        When the guard passed over a replica holding more of the prefix than the chosen one,
+        the chosen one may fetch it from that one instead of recomputing it
+        (`peer_fetch_plan.py`): the `submit` message then carries a `PeerPrefix` hint.
         A LoRA request's prefix is hashed under its adapter's root, and between equal hits a
         replica holding the adapter goes first (its published `lora_loaded`, or one this
         router sent the adapter to within ADAPTER_SENT_S).
@@ -28,6 +31,7 @@ which the ingress lists the replicas it knows (stats and health fan-out).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -39,9 +43,11 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 # module reference is pickled by name, so the shipped class shares the process's routing state.
 import router.replica_choice.cache_aware as cache_aware
 import router.replica_choice.least_loaded as least_loaded
+import router.replica_choice.peer_fetch_plan as peer_fetch_plan
 import router.replica_choice.routing_state as routing_state_module
 from engine.core.block_hash import kv_hash_root, prompt_hit_hashes
 from engine.errors import EngineDeadError
+from engine.kv_transfer.peer_prefix import PeerPrefix
 from engine.lora.request import adapter_hash_root
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
@@ -70,6 +76,7 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
     block_size = 16
     hash_root: int | None = None
     slack = cache_aware.DEFAULT_SLACK
+    peer_fetch = "off"
 
     def initialize_state(
         self,
@@ -77,11 +84,14 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
         block_size: int = 16,
         slack: float = cache_aware.DEFAULT_SLACK,
         kv_cache_dtype: str = "auto",
+        peer_fetch: str = "off",
         **_: Any,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
-        self.policy, self.block_size, self.slack = policy, block_size, slack
+        if peer_fetch not in peer_fetch_plan.MODES:
+            raise ValueError(f"kv_peer_fetch must be one of {peer_fetch_plan.MODES}, got {peer_fetch!r}")
+        self.policy, self.block_size, self.slack, self.peer_fetch = policy, block_size, slack, peer_fetch
         self.hash_root = kv_hash_root(kv_cache_dtype)  # the engines' chains start there
         self._turn = itertools.count()
         self._adapter_sent: dict[str, dict[str, float]] = {}  # adapter name -> replica -> when sent
@@ -147,25 +157,28 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
                     return []
         hashes: list[int] = []
         predicted: dict[str, int] = {}
+        peer: PeerPrefix | None = None
         if self.policy == "round-robin":
             ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
             k = next(self._turn) % len(ordered)
             ranked = ordered[k:] + ordered[:k]
         elif self.policy == "cache-aware" and msg is not None:
             t0 = time.thread_time()  # CPU time: the machine may be busy with engines
-            ranked, hashes, predicted = self._cache_aware(candidate_replicas, msg)
+            ranked, hashes, predicted, peer = self._cache_aware(candidate_replicas, msg)
             routing_state_module.routing_state().log.timed(time.thread_time() - t0)
         else:
             ranked = sorted(candidate_replicas, key=lambda r: (self.load(r), random.random()))
         if msg is not None:
+            if peer != getattr(msg, "peer_prefix", None):  # set, or cleared when routed again
+                pending_request.args[0] = dataclasses.replace(msg, peer_prefix=peer)
             routing_state_module.routing_state().tentative(
-                msg.request_id, ranked[0].replica_id.unique_id, self.policy, hashes, predicted, self.block_size
+                msg.request_id, ranked[0].replica_id.unique_id, self.policy, hashes, predicted, self.block_size, peer
             )
         return [[r] for r in ranked]
 
     def _cache_aware(
         self, candidates: list[RunningReplica], msg: Any
-    ) -> tuple[list[RunningReplica], list[int], dict[str, int]]:
+    ) -> tuple[list[RunningReplica], list[int], dict[str, int], PeerPrefix | None]:
         no_hits = msg.params.needs_every_prompt_position  # the engine looks nothing up then
         hashes = (
             []
@@ -208,4 +221,34 @@ class EngineRequestRouter(FIFOMixin, RequestRouter):
             sent[ranked[0].replica_id.unique_id] = now
         # the engine counts a tier hit as cached tokens too (loaded, not computed)
         predicted = {r.replica_id.unique_id: sum(blocks[r]) * self.block_size for r in found}
-        return ranked, hashes, predicted
+        # Against its confirmed blocks: a prefix still pending there (a fetch in flight) is no hit yet.
+        first = ranked[0]
+        local = (index.cached_blocks(first.replica_id.unique_id, hashes) if hashes else 0) + blocks[first][1]
+        peer = self._peer_prefix(first, candidates, hashes, local)
+        if peer is not None:  # fetched tokens count as cached there too
+            predicted[ranked[0].replica_id.unique_id] = peer.num_tokens
+        return ranked, hashes, predicted, peer
+
+    def _peer_prefix(
+        self, chosen: RunningReplica, candidates: list[RunningReplica], hashes: list[int], local_blocks: int
+    ) -> PeerPrefix | None:
+        """The hint for `chosen` (which holds `local_blocks` of the prompt's blocks) to fetch the
+        prefix from the replica caching the most of it, when that saves at least
+        MIN_EXTRA_BLOCKS and the cost model (or `kv_peer_fetch: always`) says fetch. Only blocks
+        the holder reported cached count: pending ones may not be computed yet."""
+        if self.peer_fetch == "off" or not hashes:
+            return None
+        index = routing_state_module.routing_state().kv_index
+        best, source = 0, None
+        for r in candidates:
+            if r is chosen:
+                continue
+            n = index.cached_blocks(r.replica_id.unique_id, hashes)
+            if n > best:
+                best, source = n, r
+        extra = best - local_blocks
+        if source is None or not peer_fetch_plan.should_fetch(
+            self.peer_fetch, extra, self.block_size, chosen.routing_stats or {}
+        ):
+            return None
+        return PeerPrefix(source.replica_id.unique_id, best * self.block_size)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from router.replica_choice.exclusion import Unreachable
 from router.replica_choice.kv_index import KVIndex
 from router.replica_choice.local_load import LocalLoad
 from router.replica_choice.routing_log import RoutingLog
+
+if TYPE_CHECKING:
+    from engine.kv_transfer.peer_prefix import PeerPrefix
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +62,12 @@ class RoutingState:
         hashes: Sequence[int],
         predicted: dict[str, int],
         block_size: int,
+        peer: PeerPrefix | None = None,
     ) -> None:
-        """In the request router, for the replica ranked first."""
+        """In the request router, for the replica ranked first (`peer`: the fetch planned for it)."""
         self.local_load.routed(request_id, replica)
         self.kv_index.add_pending(request_id, replica, hashes)
-        self.log.proposed(request_id, policy, predicted, block_size)
+        self.log.proposed(request_id, policy, predicted, block_size, (replica, peer) if peer is not None else None)
 
     def confirmed(self, request_id: str, replica: str) -> None:
         """In the ingress, once `submit` answered with the replica that runs the request."""

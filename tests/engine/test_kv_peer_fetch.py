@@ -1,0 +1,187 @@
+"""Fetching a prompt's prefix from a peer engine's prefix cache, at engine level in one process:
+a holder engine has the prefix cached and reads it out (`export_cached_kv`), a second engine
+given a `peer_prefix` hint holds blocks for it, loads them and computes only the rest. Tokens
+and logprobs equal those of recomputing (greedy and seeded sampling, float and int8 caches),
+a holder whose blocks are gone answers None and the fetcher recomputes, and every block goes
+back to both pools. The serving path is tested in tests/routing/test_peer_fetch.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv_transfer.peer_prefix import PeerPrefix
+from tests.tiny_llama import save_tiny_llama
+
+BS = 16
+PREFIX = [(7 * i + 3) % 500 + 1 for i in range(6 * BS + 5)]  # 6 full blocks and a bit
+PROMPT = PREFIX + [11, 42, 99, 123, 7, 250, 31]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+    SamplingParams(temperature=0.9, top_p=0.9, max_tokens=12, seed=1234, logprobs=2),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, smollm_dir):
+    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny-peer"), seed=5, tokenizer_from=smollm_dir))
+
+
+def _llm(model: str, kv_cache_dtype: str) -> LLM:
+    return LLM(
+        model,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        num_threads=1,
+        max_model_len=512,
+        kv_cache_memory_bytes=2 << 20,
+    )
+
+
+@pytest.fixture(scope="module", params=["auto", "int8", "fp8_e4m3"])
+def engines(request, tiny):
+    holder, fetcher = _llm(tiny, request.param), _llm(tiny, request.param)
+    yield holder, fetcher
+    holder.shutdown()
+    fetcher.shutdown()
+
+
+def _run(llm: LLM, rid: str, params: SamplingParams, hint: PeerPrefix | None = None, on_load=None):
+    """Run PROMPT to the end on `llm`'s core; `on_load(load)` serves the loads it asks for.
+    Returns (token ids, logprobs, cached tokens reported)."""
+    eng = llm.engine
+    [req] = eng.inputs.make_requests(rid, list(PROMPT), params)
+    req.peer_prefix = hint
+    eng.core.add_request(req)
+    tokens, logprobs, cached = [], [], None
+    while eng.core.has_unfinished_requests():
+        for out in eng.core.step():
+            tokens += out.new_token_ids
+            logprobs += out.new_logprobs or []
+            cached = out.num_cached_tokens if out.new_token_ids and cached is None else cached
+        for load in eng.core.take_kv_loads():
+            on_load(load)
+    return tokens, logprobs, cached
+
+
+def _same(a, b) -> None:
+    """Tokens equal; logprobs (and the top alternatives') equal up to float rounding: the fetched
+    KV is the holder's bytes, but the rest of the prompt runs in another shape of step."""
+    assert a[0] == b[0]
+    assert len(a[1]) == len(b[1])
+    for x, y in zip(a[1], b[1]):
+        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert [lp for _, lp in x.top] == pytest.approx([lp for _, lp in y.top], abs=1e-5)
+
+
+def _used(llm: LLM) -> int:
+    sched = llm.engine.core.scheduler
+    sched.check_integrity()
+    assert sched.num_waiting_for_remote_kv == 0
+    return sched.kv_cache_manager.block_pool.get_num_used_blocks()
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
+def test_fetched_prefix_gives_the_recomputed_outputs(engines, params):
+    holder, fetcher = engines
+    for llm in engines:
+        llm.engine.core.scheduler.reset_prefix_cache()
+    ref = _run(fetcher, "ref", params)  # computed here, from nothing
+    fetcher.engine.core.scheduler.reset_prefix_cache()
+    _run(holder, "warm", SamplingParams(temperature=0, max_tokens=2))  # caches PROMPT's blocks
+    assert _used(holder) == _used(fetcher) == 0
+    free_before = [llm.engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() for llm in engines]
+
+    loads, moved = [], []
+
+    def fetch(load):
+        loads.append(load)
+        blocks = holder.engine.core.export_cached_kv(
+            load.prompt_token_ids, load.first_block, load.num_blocks, load.lora_request, load.cache_salt
+        )
+        assert blocks is not None
+        moved.append(blocks)
+        fetcher.engine.core.load_kv(load.request_id, blocks)
+
+    hint = PeerPrefix("holder", 6 * BS)
+    got = _run(fetcher, "fetched", params, hint, fetch)
+    _same(got, ref)
+    [load] = loads
+    assert load.source == "holder" and load.first_block == 0 and load.num_tokens == 6 * BS
+    assert moved[0].num_blocks == 6 and moved[0].nbytes == 6 * moved[0].layout.bytes_per_block
+    assert got[2] == 6 * BS  # the fetched tokens count as cached
+    stats = fetcher.stats()
+    assert stats["num_peer_fetches"] >= 1 and stats["num_remote_prefills"] == 0
+    # Nobody holds a block: the holder's read let go of its blocks, the fetcher's finished.
+    assert _used(holder) == _used(fetcher) == 0
+    assert holder.engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before[0]
+    assert fetcher.engine.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before[1]
+
+    # The fetched blocks are in the fetcher's prefix cache now: a second run hits them locally.
+    again = _run(fetcher, "again", params, hint, lambda load: pytest.fail("fetched twice"))
+    _same(again, ref)
+
+
+def test_only_the_missing_blocks_are_fetched(engines):
+    holder, fetcher = engines
+    for llm in engines:
+        llm.engine.core.scheduler.reset_prefix_cache()
+    params = PARAMS[0]
+    ref = _run(fetcher, "ref2", params)
+    fetcher.engine.core.scheduler.reset_prefix_cache()
+    _run(holder, "warm2", SamplingParams(temperature=0, max_tokens=2))
+    # The fetcher holds the first 2 blocks itself.
+    [short] = fetcher.engine.inputs.make_requests("short", PROMPT[: 2 * BS + 3], SamplingParams(max_tokens=1))
+    fetcher.engine.core.add_request(short)
+    while fetcher.engine.core.has_unfinished_requests():
+        fetcher.engine.core.step()
+    loads = []
+
+    def fetch(load):
+        loads.append(load)
+        args = (load.prompt_token_ids, load.first_block, load.num_blocks, load.lora_request, load.cache_salt)
+        fetcher.engine.core.load_kv(load.request_id, holder.engine.core.export_cached_kv(*args))
+
+    got = _run(fetcher, "partial", params, PeerPrefix("holder", 6 * BS), fetch)
+    _same(got, ref)
+    [load] = loads
+    assert (load.first_block, load.num_blocks) == (2, 4)
+    assert _used(holder) == _used(fetcher) == 0
+
+
+def test_evicted_blocks_answer_none_and_the_fetcher_recomputes(engines):
+    holder, fetcher = engines
+    for llm in engines:
+        llm.engine.core.scheduler.reset_prefix_cache()
+    params = PARAMS[1]
+    ref = _run(fetcher, "ref3", params)
+    fetcher.engine.core.scheduler.reset_prefix_cache()
+    _run(holder, "warm3", SamplingParams(temperature=0, max_tokens=2))
+    holder.engine.core.scheduler.reset_prefix_cache()  # the holder lost the prefix meanwhile
+    answers = []
+
+    def fetch(load):
+        blocks = holder.engine.core.export_cached_kv(
+            load.prompt_token_ids, load.first_block, load.num_blocks, load.lora_request, load.cache_salt
+        )
+        answers.append(blocks)
+        fetcher.engine.core.kv_load_failed(load.request_id)  # what the serving layer does with None
+
+    failures = fetcher.stats()["num_peer_fetch_failures"]
+    got = _run(fetcher, "evicted", params, PeerPrefix("holder", 6 * BS), fetch)
+    assert answers == [None]
+    _same(got, ref)
+    assert got[2] == 0
+    assert fetcher.stats()["num_peer_fetch_failures"] == failures + 1
+    assert _used(holder) == _used(fetcher) == 0
+
+
+def test_a_hint_covering_no_more_than_the_local_hit_fetches_nothing(engines):
+    holder, fetcher = engines
+    fetcher.engine.core.scheduler.reset_prefix_cache()
+    _run(fetcher, "local", SamplingParams(temperature=0, max_tokens=2))
+    # A short hint, and one past the prompt (capped at its last full block before the last token).
+    for n in (BS, 10 * BS):
+        _run(fetcher, f"hinted{n}", PARAMS[0], PeerPrefix("holder", n), lambda load: pytest.fail(str(load)))
+    assert _used(fetcher) == 0
