@@ -23,7 +23,9 @@ def _exported() -> dict[str, set[str]]:
         tier_overflows={("alias", "small", "large", "overload"): 1},
         tier_decisions={("alias", "small", "rule"): 1},
         routing={
-            "per_replica": {"r1": {"routed": 1, "predicted_cached_tokens": 1, "actual_cached_tokens": 1}},
+            "per_replica": {
+                "r1": {"routed": 1, "predicted_cached_tokens": 1, "actual_cached_tokens": 1, "peer_fetches_planned": 1}
+            },
             "decision_seconds": 0.1,
             "decisions": 1,
         },
