@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.kv_transfer.peer_prefix import PeerPrefix
+from tests.engine.path_agreement import FLOAT32_NOISE
 from tests.tiny_llama import save_tiny_llama
 
 BS = 16
@@ -49,6 +50,33 @@ def engines(request, tiny):
         fetcher.shutdown()
 
 
+@pytest.fixture(scope="module")
+def float_cache(tiny):
+    """The same model with a float32 cache: what a quantized cache's rounding is measured against."""
+    llm = _llm(tiny, "auto")
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture
+def bound(request, engines, float_cache):
+    """How far the fetched and the recomputed path may differ (tests/engine/path_agreement.py):
+    float32 noise with a float32 cache; with an int8/fp8 cache the tail is quantized after float
+    sums of another order, so twice the cache's own rounding effect, measured on this prompt."""
+    if request.node.callspec.params["engines"] == "auto":
+        return lambda params: FLOAT32_NOISE
+
+    def measured(params: SamplingParams) -> float:
+        fetcher = engines[1]
+        fetcher.engine.core.scheduler.reset_prefix_cache()
+        float_cache.engine.core.scheduler.reset_prefix_cache()
+        coarse, fine = _run(fetcher, "coarse", params), _run(float_cache, "fine", params)
+        fetcher.engine.core.scheduler.reset_prefix_cache()
+        return max(FLOAT32_NOISE, 2 * _effect(coarse, fine))
+
+    return measured
+
+
 def _run(llm: LLM, rid: str, params: SamplingParams, hint: PeerPrefix | None = None, on_load=None):
     """Run PROMPT to the end on `llm`'s core; `on_load(load)` serves the loads it asks for.
     Returns (token ids, logprobs, cached tokens reported)."""
@@ -67,15 +95,33 @@ def _run(llm: LLM, rid: str, params: SamplingParams, hint: PeerPrefix | None = N
     return tokens, logprobs, cached
 
 
-def _same(a, b) -> None:
-    """Tokens equal; logprobs (and the top alternatives') equal up to float rounding: the fetched
-    KV is the holder's bytes, but the rest of the prompt runs in another shape of step."""
-    assert a[0] == b[0]
-    assert len(a[1]) == len(b[1])
-    for x, y in zip(a[1], b[1]):
-        assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-5)
-        assert [t for t, _ in x.top] == [t for t, _ in y.top]
-        assert [lp for _, lp in x.top] == pytest.approx([lp for _, lp in y.top], abs=1e-5)
+def _effect(coarse, fine) -> float:
+    """The largest logprob change between two runs over the positions where their tokens agree."""
+    worst = 0.0
+    for x, y in zip(coarse[1], fine[1]):
+        if x.token_id != y.token_id:
+            break
+        theirs = dict(y.top) | {y.token_id: y.logprob}
+        mine = dict(x.top) | {x.token_id: x.logprob}
+        worst = max([worst] + [abs(v - theirs[t]) for t, v in mine.items() if t in theirs])
+    return worst
+
+
+def _same(a, b, bound: float) -> None:
+    """Two paths of one computation (tests/engine/path_agreement.py): the fetched KV is the
+    holder's bytes, but the rest of the prompt runs in another shape of step. Tokens equal up to
+    the first position where `b`'s best two candidates are within reach of `bound` (either path
+    may take either one there; all of them when there is none), logprobs of the same token and of
+    every top candidate both list within `bound` up to it."""
+    tied = next((i for i, y in enumerate(b[1]) if len(y.top) >= 2 and y.top[0][1] - y.top[1][1] <= 2 * bound), None)
+    if tied is None:
+        assert a[0] == b[0]
+    else:
+        assert a[0][:tied] == b[0][:tied], f"differ before the near-tie at {tied}"
+    for x, y in list(zip(a[1], b[1]))[: None if tied is None else tied + 1]:
+        theirs = dict(y.top) | {y.token_id: y.logprob}
+        mine = dict(x.top) | {x.token_id: x.logprob}
+        assert all(abs(v - theirs[t]) <= bound for t, v in mine.items() if t in theirs)
 
 
 def _used(llm: LLM) -> int:
@@ -86,8 +132,9 @@ def _used(llm: LLM) -> int:
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
-def test_fetched_prefix_gives_the_recomputed_outputs(engines, params):
+def test_fetched_prefix_gives_the_recomputed_outputs(engines, params, bound):
     holder, fetcher = engines
+    tol = bound(params)
     for llm in engines:
         llm.engine.core.scheduler.reset_prefix_cache()
     ref = _run(fetcher, "ref", params)  # computed here, from nothing
@@ -109,7 +156,7 @@ def test_fetched_prefix_gives_the_recomputed_outputs(engines, params):
 
     hint = PeerPrefix("holder", 6 * BS)
     got = _run(fetcher, "fetched", params, hint, fetch)
-    _same(got, ref)
+    _same(got, ref, tol)
     [load] = loads
     assert load.source == "holder" and load.first_block == 0 and load.num_tokens == 6 * BS
     assert moved[0].num_blocks == 6 and moved[0].nbytes == 6 * moved[0].layout.bytes_per_block
@@ -123,14 +170,15 @@ def test_fetched_prefix_gives_the_recomputed_outputs(engines, params):
 
     # The fetched blocks are in the fetcher's prefix cache now: a second run hits them locally.
     again = _run(fetcher, "again", params, hint, lambda load: pytest.fail("fetched twice"))
-    _same(again, ref)
+    _same(again, ref, tol)
 
 
-def test_only_the_missing_blocks_are_fetched(engines):
+def test_only_the_missing_blocks_are_fetched(engines, bound):
     holder, fetcher = engines
     for llm in engines:
         llm.engine.core.scheduler.reset_prefix_cache()
     params = PARAMS[0]
+    tol = bound(params)
     ref = _run(fetcher, "ref2", params)
     fetcher.engine.core.scheduler.reset_prefix_cache()
     _run(holder, "warm2", SamplingParams(temperature=0, max_tokens=2))
@@ -147,17 +195,18 @@ def test_only_the_missing_blocks_are_fetched(engines):
         fetcher.engine.core.load_kv(load.request_id, holder.engine.core.export_cached_kv(*args))
 
     got = _run(fetcher, "partial", params, PeerPrefix("holder", 6 * BS), fetch)
-    _same(got, ref)
+    _same(got, ref, tol)
     [load] = loads
     assert (load.first_block, load.num_blocks) == (2, 4)
     assert _used(holder) == _used(fetcher) == 0
 
 
-def test_evicted_blocks_answer_none_and_the_fetcher_recomputes(engines):
+def test_evicted_blocks_answer_none_and_the_fetcher_recomputes(engines, bound):
     holder, fetcher = engines
     for llm in engines:
         llm.engine.core.scheduler.reset_prefix_cache()
     params = PARAMS[1]
+    tol = bound(params)
     ref = _run(fetcher, "ref3", params)
     fetcher.engine.core.scheduler.reset_prefix_cache()
     _run(holder, "warm3", SamplingParams(temperature=0, max_tokens=2))
@@ -174,7 +223,7 @@ def test_evicted_blocks_answer_none_and_the_fetcher_recomputes(engines):
     failures = fetcher.stats()["num_peer_fetch_failures"]
     got = _run(fetcher, "evicted", params, PeerPrefix("holder", 6 * BS), fetch)
     assert answers == [None]
-    _same(got, ref)
+    _same(got, ref, tol)
     assert got[2] == 0
     assert fetcher.stats()["num_peer_fetch_failures"] == failures + 1
     assert _used(holder) == _used(fetcher) == 0
