@@ -49,6 +49,7 @@ UPSCALE_BOUND_S = 60.0
 # Downscale: the look-back window (3 s) + the metrics lag + the removed replica's drain
 # (its streams run to the end: ~LONG_SECONDS or more on a shared core).
 DOWNSCALE_BOUND_S = 90.0
+ROUTER_SEES_NEW_REPLICA_S = 60.0  # Serve's long-poll update to the router, then a 32-token request
 BURST, BURST_TOKENS = 12, 32  # clients sending back to back until the scale-up
 # The long streams must still run when Serve stops a replica (~10-15 s after they start), however
 # fast the engine is on this machine: their length is set from a measured single-stream rate to
@@ -140,6 +141,12 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         spawned.extend(burst)
         t_up, states = await _wait_states(lambda s: s.get("RUNNING", 0) >= 2, UPSCALE_DELAY_S + UPSCALE_BOUND_S)
         m["scale_up_s"] = t_up - t0
+        # The controller's RUNNING comes before the router hears of the new replica: the burst goes
+        # on until a request has ended there, so that the long streams can be routed to it.
+        deadline = time.monotonic() + ROUTER_SEES_NEW_REPLICA_S
+        while len(await router.routed_counts.remote()) < 2:
+            assert time.monotonic() < deadline, "the router never sent a request to the new replica"
+            await asyncio.sleep(0.2)
         load_stop.set()  # each client finishes the request it has open
         # --- long streams, started while both replicas run: the newer replica (the one Serve
         # removes first) is the less loaded, so they go there -------------------------------------
