@@ -2,7 +2,7 @@
 // [256, 49152] bf16 logits matrix in ~22 ms (7% of a 256-sequence decode step); this one is
 // 16 lanes wide (AVX-512 or AVX2 via simd16.h) and memory-bound. Same result as torch.argmax: the first index of the maximum,
 // and the first NaN when a row holds one.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>

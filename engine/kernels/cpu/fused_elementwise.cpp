@@ -4,7 +4,7 @@
 // to the tensor's dtype exactly where PyTorch's ops store them in it (the bf16 results equal the
 // PyTorch path's up to float summation order). Each returns false when it does not apply (no
 // vector ISA, an unsupported dtype or width, a strided row) and the caller runs PyTorch's version.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <optional>

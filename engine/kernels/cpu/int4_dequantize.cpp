@@ -10,7 +10,7 @@
 // keeps it unrounded (a float32 GEMM: 8-bit weights with float32 activations, and every prompt
 // chunk in exact mode). A two-nibble weight (8-bit values as two nibbles, kw = 2 * in_features)
 // sums its halves first.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include "int4_scales.h"
 #include "simd16.h"

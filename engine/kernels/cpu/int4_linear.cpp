@@ -11,7 +11,7 @@
 // (decode at moderate and high concurrency: on AVX-512 BF16 a 32-row SmolLM2 step takes 63 ms
 // with this op against 90 with PyTorch's kernel).
 // Returns false where it does not apply.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>

@@ -1,7 +1,7 @@
 // Write this step's K and V rows into the paged cache at their slots. index_copy_ on the
 // head-major cache view went through a generic strided path (~0.5 GB/s, ~7% of a prefill
 // step); this copies each (token, head) row of head_dim values directly.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <cstring>
 

@@ -1,7 +1,10 @@
 // The ops of this module, as the bindings (bindings.cpp) and the fused decode layers
 // (decode_layers.cpp) call them. Each bool op returns false (nothing written) where it does not apply.
 #pragma once
-#include <torch/extension.h>
+// torch/types.h, not torch/extension.h: the kernels need tensors, not pybind and the whole C++
+// API, and that header alone is ~2/3 of each file's compile time. Only the files that bind to
+// Python (bindings.cpp, decode_layers.cpp) include torch/extension.h.
+#include <torch/types.h>
 #include <optional>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -4,7 +4,7 @@
 // With AVX-512 or AVX2 (the build's target, engine/kernels/cpu_ops.py) and head_dim a multiple
 // of 16 the vectorized path runs (bf16 dot products in hardware where AVX512-BF16 exists); else
 // the generic one.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>

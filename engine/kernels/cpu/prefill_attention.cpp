@@ -8,7 +8,7 @@
 // prompts take the same path. Without AVX512-BF16, bf16 K/V are widened to float32 as they are
 // packed and the products run in float32. Returns false where it does not apply (no AVX-512 or
 // AVX2, head_dim not a multiple of 32, other dtypes): the caller then uses PyTorch's.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>

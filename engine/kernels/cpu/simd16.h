@@ -9,7 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
-#include <torch/extension.h>
+#include <torch/types.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define ORBITAL_SIMD16 1

@@ -11,7 +11,7 @@
 // even/odd lane order, with x stored to match). bf16 weights on a CPU without bf16 dot products
 // take this op at every row count (engine/layers/packed_gemm.py): PyTorch's bf16 GEMM is emulated
 // there, ~4x slower. Returns false where it does not apply.
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <optional>

@@ -8,7 +8,7 @@
 // 2 * kGroup accumulators in registers. Each output is one FMA chain over k = 0, 1, ... from
 // zero, whatever group its row is in, so a row's result does not depend on the rows sharing its
 // call. Built for the avx2 target only (AVX-512 builds keep small_linear.cpp's zmm path).
-#include <torch/extension.h>
+#include <torch/types.h>
 #include <algorithm>
 #include <optional>
 #include <vector>
