@@ -13,6 +13,9 @@ from tests.disagg.conftest import transfer_counters
 from tests.engine.lora_models import ADAPTERS, save_adapter, save_tiny_llama
 from tests.serve_cluster import serve_app
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPT = "The quick brown fox jumps over the lazy dog and keeps on running through the forest"
 MAX_TOKENS = 8
 

@@ -17,6 +17,9 @@ from engine.model.fused_decode import FusedDecode
 from tests.engine.gil import Spinner
 from tests.engine.test_tiny_models import _save_tiny
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The quick brown fox",
     "Write a short story about a robot who learns to paint. " * 3,

@@ -24,6 +24,9 @@ from engine.model.gguf_blocks import BLOCK_KINDS
 from engine.model.gguf_weights import tensor_weight
 from tests.engine.kquant_encode import encode
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 # Byte offsets of each block kind's float16 scale fields: random bytes there could be inf or NaN.
 F16_FIELDS = {
     "Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],

@@ -17,6 +17,9 @@ from engine.errors import InvalidRequestError
 from tests.engine.gptq_awq_writer import write_quantized
 from tests.tiny_llama import save_tiny_llama
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 ARGS = dict(dtype="float32", num_threads=2, kv_cache_memory_bytes=32 << 20, max_model_len=256)
 PROMPT = [(37 * i + 11) % 500 for i in range(48)]
 SHAPE = dict(hidden_size=128, intermediate_size=256, initializer_range=0.1)  # every group size divides

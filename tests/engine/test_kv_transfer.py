@@ -14,6 +14,9 @@ from engine.errors import InvalidRequestError
 from engine.kv_transfer import KVBlocks, KVLayout
 from tests.engine.hf_reference import hf_greedy
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 LOCAL_MAX = 16  # uncached suffixes up to this many tokens are prefilled by the decode engine
 TEXT = (
     "Orbital serves language models on a cluster of machines. Each replica runs a paged key-value "

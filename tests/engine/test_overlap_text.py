@@ -13,6 +13,9 @@ from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.engine_args import EngineArgs
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time",

@@ -17,6 +17,9 @@ from engine.spec_decode.draft_length import DraftLengthPolicy, StepCostModel
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.verify import accept_drafts
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the",
     "1, 2, 3, 4, 5, 6, 7, 8,",

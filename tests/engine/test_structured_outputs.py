@@ -21,6 +21,9 @@ from engine.runner.sampling_metadata import SamplingMetadata
 from engine.structured.matcher import bitmask_width
 from engine.structured.spec import StructuredOutput
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PERSON = {
     "type": "object",
     "properties": {

@@ -22,6 +22,9 @@ import httpx
 import numpy as np
 import pytest
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 TEXT = "The lighthouse keeper counted the ships."
 TOLERANCE = 1e-3
 

@@ -14,6 +14,9 @@ from engine.lora.request import LoRARequest
 from tests.engine.lora_models import ADAPTERS, save_adapter, save_tiny_llama
 from tests.serve_cluster import serve_app
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 

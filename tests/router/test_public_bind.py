@@ -12,6 +12,9 @@ import pytest
 from router.config import AppConfig
 from router.ingress.public_bind import check_public_bind, is_loopback
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 
 def test_loopback_addresses():
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"))

@@ -19,6 +19,9 @@ from router.tiering.policy import HINT_HEADER, TierHintError, TierPolicy
 from router.tiering.settings import TierRouting
 from tests.router.test_model_pools_config import _FakeOpenAI, _moved
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 
 def words(s: str) -> int:
     return len(s.split())

@@ -14,6 +14,9 @@ from tests.engine.lora_models import ADAPTERS, save_adapter, save_tiny_llama
 from tests.router.conftest import BASE
 from tests.serve_cluster import serve_app
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 N = 6
 
 

@@ -12,6 +12,9 @@ from tests.tiny_architectures import save_tiny
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 NEW = 12
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [100, 200, 300], list(range(300, 350))]
 

@@ -6,9 +6,14 @@ from __future__ import annotations
 import glob
 import os
 
+import pytest
+
 from engine import LLM as EngineLLM
 from engine import SamplingParams
 from workers import LLM
+
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
 
 BS = 4
 BLOCK_BYTES = 2 * 2 * 4 * BS * 8 * 4  # the whole replica's: layers x K/V x 4 KV heads x block x head_dim x float32

@@ -16,6 +16,9 @@ from engine.watermark import Watermark
 from tests.workers.conftest import hf_greedy
 from workers import LLM
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 NEW = 12
 SHARED = list(range(40, 80))  # 10 blocks of 4: later prompts hit the prefix cache
 PROMPTS = [

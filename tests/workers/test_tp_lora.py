@@ -14,6 +14,9 @@ from tests.engine.hf_reference import hf_greedy
 from tests.engine.lora_models import ADAPTERS, load_base, save_adapter, save_tiny_llama
 from workers import LLM
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 17, 300, 201, 77], [100 + i for i in range(40)]]
 
 

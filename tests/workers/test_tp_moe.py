@@ -10,6 +10,9 @@ from tests.engine.hf_reference import hf_greedy
 from tests.engine.moe_models import save_moe
 from workers import LLM
 
+# Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[5, 17, 300, 201, 77], [100 + i for i in range(40)], list(range(7, 7 + 60, 3))]
 
 
