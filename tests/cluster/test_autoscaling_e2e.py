@@ -59,6 +59,7 @@ KV_BYTES = 384 << 20  # float32 SmolLM2: ~46 KB per token, so 4 x 1600-token str
 MAX_NUM_SEQS = 8  # per replica: 12 clients keep 4 requests waiting on one replica; after the
 # burst no replica is full, so short requests never queue (no re-upscale)
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
+LONG_PROMPTS = [f"Story {i}: {PROMPT}" for i in range(LONG)]
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +149,10 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
             assert time.monotonic() < deadline, "the router never sent a request to the new replica"
             await asyncio.sleep(0.2)
         load_stop.set()  # each client finishes the request it has open
-        # --- long streams, started while both replicas run: the newer replica (the one Serve
-        # removes first) is the less loaded, so they go there -------------------------------------
-        long = [asyncio.create_task(stream_completion(client, url, PROMPT, long_tokens)) for _ in range(LONG)]
+        # --- long streams, started while both replicas run. Each prompt is new (its first token
+        # differs from every other prompt's), so none is cached anywhere and each goes to the less
+        # loaded replica as the router counts them: they spread over both, the one Serve removes too.
+        long = [asyncio.create_task(stream_completion(client, url, p, long_tokens)) for p in LONG_PROMPTS]
         stop, shorts = asyncio.Event(), []
         events.append(stop)
         short_task = asyncio.create_task(_short_requests(client, url, stop, shorts))
@@ -173,9 +175,11 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         await short_task
         # the survivor takes the next request: the other replica id is the removed one
         after_one = await router.routed_counts.remote()
-        r = await client.post(f"{url}/v1/completions", json=completion_body(PROMPT, long_tokens, False))
-        assert r.status_code == 200, r.text
-        reference = r.json()["choices"][0]["text"]
+        refs = await asyncio.gather(
+            *(client.post(f"{url}/v1/completions", json=completion_body(p, long_tokens, False)) for p in LONG_PROMPTS)
+        )
+        assert all(r.status_code == 200 for r in refs), [r.text for r in refs]
+        references = [r.json()["choices"][0]["text"] for r in refs]
         final = await router.routed_counts.remote()
         survivor = [k for k in final if final[k] > after_one.get(k, 0)]
         assert len(survivor) == 1, (after_one, final)
@@ -191,7 +195,7 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
     m["burst_requests"] = len(burst_results)
     m["burst_complete"] = sum(complete(x, BURST_TOKENS) for x in burst_results)
     m["long_complete"] = sum(complete(x, long_tokens) for x in long_results)
-    m["long_equal_reference"] = sum(x["text"] == reference for x in long_results)
+    m["long_equal_reference"] = sum(x["text"] == ref for x, ref in zip(long_results, references))
     m["short_ok"] = sum(1 for code, fin in shorts if code == 200 and fin == "length")
     m["short_total"] = len(shorts)
     m["errors"] = [x["error"] for x in burst_results + long_results if x["error"]] + [

@@ -25,8 +25,10 @@ def client(url: str):
 
 
 async def complete(c, prompt: str, spec: dict, on_chunk: OnChunk | None = None) -> tuple[str, str, int]:
-    """(text, finish_reason, completion tokens); `on_chunk(request id, chunks so far)` on each
-    streamed chunk that carries a choice."""
+    """(text, finish_reason, completion tokens); `on_chunk(request id, tokens so far)` on each
+    streamed chunk that carries a choice. Tokens, not chunks: a chunk carries every token the
+    engine made since the last one the client read (a slow client gets fewer, larger chunks), so
+    the count comes from the chunk's logprobs (one entry per token)."""
     kw = {
         "model": (await c.models.list()).data[0].id,
         "prompt": prompt,
@@ -40,15 +42,15 @@ async def complete(c, prompt: str, spec: dict, on_chunk: OnChunk | None = None) 
     if not spec["stream"]:
         r = await c.completions.create(**kw)
         return r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens
-    stream = await c.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
-    text, finish, tokens, chunks = "", None, None, 0
+    stream = await c.completions.create(stream=True, stream_options={"include_usage": True}, logprobs=0, **kw)
+    text, finish, tokens, so_far = "", None, None, 0
     async for ch in stream:
         if ch.usage is not None:
             tokens = ch.usage.completion_tokens
         for choice in ch.choices:
             text += choice.text
             finish = choice.finish_reason or finish
-            chunks += 1
+            so_far += len(choice.logprobs.tokens) if choice.logprobs and choice.logprobs.tokens else 0
             if on_chunk is not None:
-                await on_chunk(ch.id, chunks)
+                await on_chunk(ch.id, so_far)
     return text, finish, tokens

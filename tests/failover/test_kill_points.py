@@ -24,8 +24,8 @@ async def _round(url: str, handle, prompt: str, kill_at: int) -> tuple[list, lis
     pids = await wait_live(handle, 2)
     killed: list[str] = []
 
-    async def on_chunk(request_id: str, chunks: int) -> None:
-        if chunks == kill_at and not killed:
+    async def on_chunk(request_id: str, tokens: int) -> None:
+        if tokens >= kill_at and not killed:
             killed.append(await kill_replica_of(handle, request_id, pids))
 
     got = await asyncio.gather(*(complete(c, prompt, s, on_chunk if i == 0 else None) for i, s in enumerate(SPECS)))

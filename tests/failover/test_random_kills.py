@@ -25,8 +25,8 @@ async def _one(url: str, handle, prompt: str, spec: dict, kill_at: int) -> tuple
     pids = await wait_live(handle, 2)  # a killed replica comes back only after 40-110 s
     killed: list[str] = []
 
-    async def on_chunk(request_id: str, chunks: int) -> None:
-        if chunks == kill_at and not killed:
+    async def on_chunk(request_id: str, tokens: int) -> None:
+        if tokens >= kill_at and not killed:
             killed.append(await kill_replica_of(handle, request_id, pids))
 
     got = await complete(c, prompt, spec, on_chunk)

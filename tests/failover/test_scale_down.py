@@ -29,13 +29,12 @@ def test_scale_down_during_traffic_finishes_every_stream(failover_cluster):
         c = client(url)
         reference = await asyncio.gather(*(complete(c, p, spec) for p in prompts))
         started = asyncio.Event()
-        seen = 0
+        seen: set[str] = set()  # streams that have their first tokens
 
-        async def on_chunk(_: str, chunks: int) -> None:
-            nonlocal seen
-            if chunks == 2:
-                seen += 1
-                if seen == STREAMS:
+        async def on_chunk(request_id: str, tokens: int) -> None:
+            if tokens >= 2:
+                seen.add(request_id)
+                if len(seen) == STREAMS:
                     started.set()
 
         streams = [asyncio.ensure_future(complete(c, p, spec, on_chunk)) for p in prompts]
