@@ -1,11 +1,21 @@
-"""Cache-aware vs least-loaded vs round-robin routing over the same 3 engine replicas.
+"""Cache-aware vs least-loaded vs round-robin routing over the same 3 engine replicas, and
+cache-aware routing with the cluster-wide KV cache (an offload tier per replica and fetching a
+prefix from the replica that holds it) against cache-aware routing without it.
 
 For each policy, in one run: a fresh Serve app (3 replicas of the embedded model, cold caches)
 runs (a) a multi-tenant workload — 8 system prompts of ~1,000 tokens, each followed by short
-user turns — and (b) multi-turn chats of 4-8 turns (each turn's prompt is the conversation so
-far). Prompts go as token ids through /v1/completions (streamed, greedy), so the ideal hit rate
-can be computed from the very ids: every shared full block prefilled once per replica it must
-live on (once, for a prefix that fits one replica).
+user turns — (b) multi-turn chats of 4-8 turns (each turn's prompt is the conversation so
+far) and (c) a hot tenant: one ~1,000-token system prompt sent with many requests at once, past
+what the load guard lets one replica take. Prompts go as token ids through /v1/completions
+(streamed, greedy), so the ideal hit rate can be computed from the very ids: every shared full
+block prefilled once per replica it must live on (once, for a prefix that fits one replica).
+
+Policies: `cache-aware`, `least-loaded`, `round-robin` (no offload tier, no fetch from peers),
+and `cache-aware+tiers` (a disk tier of `--offload-mib` per replica, fetch from peers `auto`).
+With `--kv-mib` small enough that the workloads evict (64: ~1,400 tokens per replica in float32),
+the tier keeps what the pool evicts:
+
+    python -m bench.bench_routing --policies cache-aware,cache-aware+tiers --kv-mib 64 --chats 12
 
 Reports per policy and workload: prefix-cache hit rate (engine-reported, all replicas) against
 the ideal, TTFT p50/p99, output tokens/s, and the routing decision's CPU time per request.
@@ -102,6 +112,20 @@ async def multi_tenant(run: Run, tok, args, rng: random.Random) -> tuple[int, in
     return ideal, total
 
 
+async def hot_tenant(run: Run, tok, args, rng: random.Random) -> tuple[int, int]:
+    """One system prompt, `--hot-requests` requests at once: the holder of its prefix fills past
+    the load guard and the rest go to replicas without it."""
+    system = tok.encode("Hot tenant. " + text(rng, args.system_words))
+    reqs = [system + tok.encode(f"\nUser: {text(rng, 8)}?\nAnswer:") for _ in range(args.hot_requests)]
+    # Ideal: the prefix computed once on one replica, then hit by every other request.
+    shared = min(common_blocks(reqs[0], reqs[1], args.block_size) * args.block_size, len(system))
+    ideal, total = shared * (len(reqs) - 1), sum(len(ids) for ids in reqs)
+    async with httpx.AsyncClient(timeout=600) as c:
+        await run.one(c, reqs[0])  # the holder
+        await asyncio.gather(*(run.one(c, ids) for ids in reqs[1:]))
+    return ideal, total
+
+
 async def multi_turn(run: Run, tok, args, rng: random.Random) -> tuple[int, int]:
     ideal = total = 0
     async with httpx.AsyncClient(timeout=600) as c:
@@ -129,6 +153,17 @@ async def multi_turn(run: Run, tok, args, rng: random.Random) -> tuple[int, int]
     return ideal, total
 
 
+WORKLOADS = {"multi-tenant": multi_tenant, "multi-turn": multi_turn, "hot-tenant": hot_tenant}
+
+
+def policy_config(policy: str, args) -> dict:
+    """AppConfig fields of a policy name: a routing policy alone (no offload tier, no fetch from
+    peers), or `cache-aware+tiers`."""
+    if policy == "cache-aware+tiers":
+        return {"routing": "cache-aware", "kv_offload_bytes": args.offload_mib << 20, "kv_peer_fetch": "auto"}
+    return {"routing": policy, "kv_peer_fetch": "off"}
+
+
 def measure(policy: str, args, tok) -> list[dict]:
     from ray import serve
 
@@ -138,17 +173,18 @@ def measure(policy: str, args, tok) -> list[dict]:
     cfg = AppConfig(
         dtype="float32",
         num_replicas=3,
-        routing=policy,
         kv_cache_memory_bytes=args.kv_mib << 20,
         num_threads=1,
         cpus_per_worker=1.0,
         block_size=args.block_size,
+        **policy_config(policy, args),
     )
     handle = serve.run(build_app(cfg), name="bench", route_prefix="/")
     url = f"http://127.0.0.1:{args.port}"
     rows = []
     try:
-        for name, fn in (("multi-tenant", multi_tenant), ("multi-turn", multi_turn)):
+        for name in args.workloads.split(","):
+            fn = WORKLOADS[name]
             before = handle.replica_stats.remote().result()
             dec0 = handle.routing_stats.remote().result()
             run = Run(url, args.max_tokens)
@@ -160,12 +196,19 @@ def measure(policy: str, args, tok) -> list[dict]:
             hits = sum(s["prefix_cache_hits"] for s in after) - sum(s["prefix_cache_hits"] for s in before)
             queries = sum(s["prefix_cache_queries"] for s in after) - sum(s["prefix_cache_queries"] for s in before)
             n_dec = dec1["decisions"] - dec0["decisions"]
+
+            def delta(key: str) -> int:
+                return sum(s.get(key, 0) for s in after) - sum(s.get(key, 0) for s in before)
+
             rows.append(
                 {
                     "policy": policy,
                     "workload": name,
                     "requests": len(run.ttft),
                     "hit_rate": hits / queries if queries else 0.0,
+                    # Of the hits, loaded from the offload tier; and prompt tokens fetched from peers.
+                    "offload_hit_rate": delta("prefix_cache_hits_offload") / queries if queries else 0.0,
+                    "peer_fetched_rate": delta("kv_peer_tokens_fetched") / queries if queries else 0.0,
                     "ideal_hit_rate": ideal / total if total else 0.0,
                     "ttft_p50_s": statistics.median(run.ttft),
                     "ttft_p99_s": pct(run.ttft, 0.99),
@@ -218,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--kv-mib", type=int, default=512, help="KV cache per replica")
+    p.add_argument("--offload-mib", type=int, default=2048, help="disk tier per replica (cache-aware+tiers)")
+    p.add_argument("--hot-requests", type=int, default=12, help="hot-tenant requests sent at once")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here too")
@@ -245,14 +291,24 @@ def main(argv: list[str] | None = None) -> int:
         serve.shutdown()
         ray.shutdown()
     print(
-        "\n| workload | policy | requests | hit rate | ideal | TTFT p50 s | TTFT p99 s | output tok/s | decision µs |"
+        "\n| workload | policy | requests | hit rate | of it from the tier | fetched from peers | ideal | "
+        "TTFT p50 s | TTFT p99 s | output tok/s | decision µs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["workload"], r["policy"])):
         print(
-            f"| {r['workload']} | {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | {r['ideal_hit_rate']:.1%} | "
-            f"{r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | {r['output_tok_s']:.1f} | {r['decision_us']:.0f} |"
+            f"| {r['workload']} | {r['policy']} | {r['requests']} | {r['hit_rate']:.1%} | {r['offload_hit_rate']:.1%} | "
+            f"{r['peer_fetched_rate']:.1%} | {r['ideal_hit_rate']:.1%} | {r['ttft_p50_s']:.2f} | {r['ttft_p99_s']:.2f} | "
+            f"{r['output_tok_s']:.1f} | {r['decision_us']:.0f} |"
         )
+    plain = {r["workload"]: r for r in rows if r["policy"] == "cache-aware"}
+    for r in rows:
+        if r["policy"] == "cache-aware+tiers" and r["workload"] in plain:
+            b = plain[r["workload"]]
+            print(
+                f"{r['workload']}: TTFT cache-aware / cache-aware+tiers = p50 {b['ttft_p50_s'] / r['ttft_p50_s']:.2f}x, "
+                f"p99 {b['ttft_p99_s'] / r['ttft_p99_s']:.2f}x"
+            )
     base = {(r["workload"]): r for r in rows if r["policy"] == "least-loaded"}
     for r in rows:
         if r["policy"] == "cache-aware" and r["workload"] in base:
