@@ -114,3 +114,19 @@ def test_load_and_unload_at_run_time(http, dirs, expected):
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 200
     assert _complete(http, "all").status_code == 404
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "all"}).status_code == 404
+
+
+def test_the_python_handle_loads_and_unloads(app, http, dirs, expected):
+    """The Python handle's load_lora_adapter / unload_lora_adapter do what the routes do."""
+    handle = app["handle"]
+    body = {"lora_name": "all-py", "lora_path": str(dirs / "all")}
+    assert "added" in handle.load_lora_adapter.remote(body).result()
+    r = _complete(http, "all-py")
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected["all"]
+    with pytest.raises(Exception, match="adapter_config.json"):
+        handle.load_lora_adapter.remote({"lora_name": "bad-py", "lora_path": str(dirs / "base")}).result()
+    assert "removed" in handle.unload_lora_adapter.remote({"lora_name": "all-py"}).result()
+    assert _complete(http, "all-py").status_code == 404
+    with pytest.raises(Exception, match="all-py"):
+        handle.unload_lora_adapter.remote({"lora_name": "all-py"}).result()
