@@ -49,7 +49,7 @@ UPSCALE_BOUND_S = 60.0
 # Downscale: the look-back window (3 s) + the metrics lag + the removed replica's drain
 # (its streams run to the end: ~LONG_SECONDS or more on a shared core).
 DOWNSCALE_BOUND_S = 90.0
-ROUTER_SEES_NEW_REPLICA_S = 60.0  # Serve's long-poll update to the router, then a 32-token request
+ROUTER_SEES_NEW_REPLICA_S = 60.0  # Serve's long-poll update to the router
 BURST, BURST_TOKENS = 12, 32  # clients sending back to back until the scale-up
 # The long streams must still run when Serve stops a replica (~10-15 s after they start), however
 # fast the engine is on this machine: their length is set from a measured single-stream rate to
@@ -143,15 +143,16 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         t_up, states = await _wait_states(lambda s: s.get("RUNNING", 0) >= 2, UPSCALE_DELAY_S + UPSCALE_BOUND_S)
         m["scale_up_s"] = t_up - t0
         # The controller's RUNNING comes before the router hears of the new replica: the burst goes
-        # on until a request has ended there, so that the long streams can be routed to it.
+        # on until the router has sent a request there, so that it can route the long streams there.
         deadline = time.monotonic() + ROUTER_SEES_NEW_REPLICA_S
-        while len(await router.routed_counts.remote()) < 2:
+        while len({d["replica"] for d in (await router.routing_decisions.remote()).values()}) < 2:
             assert time.monotonic() < deadline, "the router never sent a request to the new replica"
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
         load_stop.set()  # each client finishes the request it has open
-        # --- long streams, started while both replicas run. Each prompt is new (its first token
-        # differs from every other prompt's), so none is cached anywhere and each goes to the less
-        # loaded replica as the router counts them: they spread over both, the one Serve removes too.
+        # --- long streams, started at once, while the burst's last requests still wait on the
+        # older replica: the newer one (the one Serve removes first) is the less loaded, so they go
+        # there. Each prompt is new (none shares a block with any other), so none is drawn to a
+        # replica by its cache.
         long = [asyncio.create_task(stream_completion(client, url, p, long_tokens)) for p in LONG_PROMPTS]
         stop, shorts = asyncio.Event(), []
         events.append(stop)
@@ -186,6 +187,7 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         removed = [k for k in final if k != survivor[0]]
         assert len(removed) == 1, final
         m["removed_replica_in_flight_at_stop"] = after_one[removed[0]] - at_stop.get(removed[0], 0)
+        m["ended_per_replica"] = {"at_stop": at_stop, "after_long": after_one, "final": final, "removed": removed[0]}
     m.update(
         scale_down_decision_after_queue_empty_s=t_stop - t_queue_empty,
         scale_down_decision_after_burst_end_s=t_stop - t_drop,
