@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         for policy in args.policies.split(","):
             rows += measure(policy, args, tok)
-            print(json.dumps(rows[-2:]), flush=True)
+            print(json.dumps(rows[-len(args.workloads.split(",")) :]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
