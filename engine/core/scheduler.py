@@ -85,6 +85,7 @@ class Scheduler:
         # Prompt logprobs arrive chunk by chunk; they are emitted once the prompt is complete.
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_preemptions = 0
+        self.num_holders_released = 0  # waiting requests that gave back blocks they held (_release_waiting_holders)
         self.num_steps = 0
         # Speculative decoding (None: off).
         self.drafting = (
@@ -353,6 +354,8 @@ class Scheduler:
                 if block_ids is None:
                     if self.lora is not None:
                         self.lora.release(req.request_id)
+                    if not self.running and not self.in_pipe:
+                        self._release_waiting_holders()
                     break  # keep policy order: nobody jumps the head of the queue
                 self.waiting.popleft()
                 req.num_computed_tokens += num_hit
@@ -506,6 +509,19 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
+
+    def _release_waiting_holders(self) -> None:
+        """Nothing runs and the head of the queue cannot get its blocks: they are held by waiting
+        requests that came back from a load (a remote prefill, a peer's prefix, the offload tier;
+        its KV arrived, or a failed load is recomputed) and wait behind the head. Those let go of
+        their blocks (what a load published stays in the prefix cache, where they may hit it
+        again) and compute their prompts when their turn comes, so that no request holds
+        capacity that nobody can use."""
+        for req in list(self.waiting)[1:]:
+            if self._holds_blocks(req):
+                self.kv_cache_manager.free(req)
+                req.num_computed_tokens = 0
+                self.num_holders_released += 1
 
     def _holds_blocks(self, req: Request) -> bool:
         """A waiting request holds blocks only when it came back from a remote prefill (its KV

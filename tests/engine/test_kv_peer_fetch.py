@@ -237,3 +237,35 @@ def test_a_hint_covering_no_more_than_the_local_hit_fetches_nothing(engines):
     for n in (BS, 10 * BS):
         _run(fetcher, f"hinted{n}", PARAMS[0], PeerPrefix("holder", n), lambda load: pytest.fail(str(load)))
     assert _used(fetcher) == 0
+
+
+def test_requests_whose_fetches_failed_never_hold_the_pool_between_them(tiny):
+    """Two requests hold blocks for a peer's prefix in a pool that has room for about one
+    prompt besides; both fetches fail. The head of the queue cannot get its last blocks while
+    the other holds its own, and nothing runs: the one behind lets go of them, and both finish
+    with every block back in the pool (a deadlock before)."""
+    llm = LLM(tiny, dtype="float32", num_threads=1, max_model_len=512, num_blocks=13, block_size=BS)
+    try:
+        eng = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        for k in range(2):
+            prompt = [(7 * i + 3 + k) % 500 + 1 for i in range(6 * BS + 5)] + PROMPT[-7:]
+            [req] = eng.inputs.make_requests(f"held-{k}", prompt, params)
+            req.peer_prefix = PeerPrefix("peer", 6 * BS)
+            eng.core.add_request(req)
+        tokens, finished, steps = {}, set(), 0
+        while eng.core.has_unfinished_requests():
+            assert steps < 400, "the requests never finished"
+            for out in eng.core.step():
+                tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
+                if out.finished:
+                    assert out.error is None, out.error
+                    finished.add(out.request_id)
+            for load in eng.core.take_kv_loads():
+                eng.core.kv_load_failed(load.request_id)  # the holder's blocks are gone
+            steps += 1
+        assert finished == {"held-0", "held-1"} and tokens == {"held-0": 24, "held-1": 24}
+        assert eng.core.scheduler.num_holders_released >= 1
+        assert _used(llm) == 0
+    finally:
+        llm.shutdown()
