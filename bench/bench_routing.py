@@ -183,7 +183,7 @@ def measure(policy: str, args, tok) -> list[dict]:
     url = f"http://127.0.0.1:{args.port}"
     rows = []
     try:
-        for name in args.workloads.split(","):
+        for name in args.workloads:
             fn = WORKLOADS[name]
             before = handle.replica_stats.remote().result()
             dec0 = handle.routing_stats.remote().result()
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-mib", type=int, default=512, help="KV cache per replica")
     p.add_argument("--offload-mib", type=int, default=2048, help="disk tier per replica (cache-aware+tiers)")
     p.add_argument("--hot-requests", type=int, default=12, help="hot-tenant requests sent at once")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS), help="comma-separated")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the rows here too")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         for policy in args.policies.split(","):
             rows += measure(policy, args, tok)
-            print(json.dumps(rows[-len(args.workloads.split(",")) :]), flush=True)
+            print(json.dumps(rows[-len(args.workloads) :]), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
