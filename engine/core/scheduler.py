@@ -524,9 +524,9 @@ class Scheduler:
                 self.num_holders_released += 1
 
     def _holds_blocks(self, req: Request) -> bool:
-        """A waiting request holds blocks only when it came back from a remote prefill (its KV
-        arrived, or a failed load is recomputed here): preemption frees a request's blocks and a
-        failed allocation leaves none."""
+        """A waiting request holds blocks only when it came back from a load (a remote prefill, a
+        peer's prefix: its KV arrived, or a failed load is recomputed here): preemption and
+        `_release_waiting_holders` free a request's blocks and a failed allocation leaves none."""
         return req.request_id in self.kv_cache_manager.req_to_blocks
 
     def take_kv_loads(self) -> list[KVLoadRequest]:
