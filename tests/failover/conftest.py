@@ -20,6 +20,10 @@ from tests.tiny_llama import chat_stand_in_block_bytes
 
 APP = "failover"
 MAX_TOKENS = 64
+# The latest token a kill is aimed at. The client reads a stream a few tokens behind the engine
+# (router and HTTP hops), and the tiny model makes a token in milliseconds, so a kill aimed at the
+# last token or two can land after the request finished and move nothing.
+LATEST_KILL = MAX_TOKENS - 8
 
 
 @pytest.fixture(scope="package")
@@ -60,10 +64,33 @@ async def wait_live(handle, n: int, timeout: float = 240.0) -> dict[str, int]:
         await asyncio.sleep(1.0)
 
 
-async def kill_replica_of(handle, request_id: str, pids: dict[str, int]) -> str:
-    """SIGKILL the process of the engine replica running `request_id`; returns its id."""
+async def replica_of(handle, request_id: str) -> str:
+    """The engine replica the router sent `request_id` to."""
     decisions = await handle.routing_decisions.remote()
     # A completion's engine request is `<id>-<prompt index>`.
-    replica = (decisions.get(request_id) or decisions[f"{request_id}-0"])["replica"]
+    return (decisions.get(request_id) or decisions[f"{request_id}-0"])["replica"]
+
+
+async def kill_replica_of(handle, request_id: str, pids: dict[str, int]) -> str:
+    """SIGKILL the process of the engine replica running `request_id`; returns its id."""
+    replica = await replica_of(handle, request_id)
     os.kill(pids[replica], signal.SIGKILL)
     return replica
+
+
+class KillAt:
+    """An `on_chunk` callback that SIGKILLs the replica serving a stream once the client has read
+    `kill_at` tokens. The replica is looked up on the first chunk, so the kill itself is one
+    signal and lands at the aimed token rather than a handle call later."""
+
+    def __init__(self, handle, pids: dict[str, int], kill_at: int):
+        self.handle, self.pids, self.kill_at = handle, pids, kill_at
+        self.replica: str | None = None
+        self.killed: str | None = None
+
+    async def __call__(self, request_id: str, tokens: int) -> None:
+        if self.replica is None:
+            self.replica = await replica_of(self.handle, request_id)
+        if tokens >= self.kill_at and self.killed is None:
+            os.kill(self.pids[self.replica], signal.SIGKILL)
+            self.killed = self.replica

@@ -1,4 +1,4 @@
-"""SIGKILL the engine replica serving a stream at its first, a middle and its last token, while
+"""SIGKILL the engine replica serving a stream at its first, a middle and a late token, while
 three more requests with the same prompt run (greedy and seeded, streamed and not; the
 cache-aware router puts most of them on the same replica): every client gets exactly the text,
 finish reason and usage of an uninterrupted run of the same request, once, and /metrics counts
@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from tests.failover.conftest import MAX_TOKENS, kill_replica_of, migrations, wait_live
+from tests.failover.conftest import LATEST_KILL, MAX_TOKENS, KillAt, migrations, wait_live
 from tests.failover.streams import SPECS, client, complete
 
 pytestmark = pytest.mark.slow
@@ -22,20 +22,16 @@ async def _round(url: str, handle, prompt: str, kill_at: int) -> tuple[list, lis
     # so the cache-aware router sends the four requests below there together.
     reference = await asyncio.gather(*(complete(c, prompt, s) for s in SPECS))
     pids = await wait_live(handle, 2)
-    killed: list[str] = []
-
-    async def on_chunk(request_id: str, tokens: int) -> None:
-        if tokens >= kill_at and not killed:
-            killed.append(await kill_replica_of(handle, request_id, pids))
-
-    got = await asyncio.gather(*(complete(c, prompt, s, on_chunk if i == 0 else None) for i, s in enumerate(SPECS)))
-    return reference, got, killed[0]
+    kill = KillAt(handle, pids, kill_at)
+    got = await asyncio.gather(*(complete(c, prompt, s, kill if i == 0 else None) for i, s in enumerate(SPECS)))
+    assert kill.killed, kill_at
+    return reference, got, kill.killed
 
 
-@pytest.mark.parametrize("point", ["first", "middle", "last"])
+@pytest.mark.parametrize("point", ["first", "middle", "late"])
 def test_kill_at_a_token_resumes_exactly(failover_cluster, point):
     url, handle = failover_cluster["url"], failover_cluster["handle"]
-    kill_at = {"first": 1, "middle": MAX_TOKENS // 2, "last": MAX_TOKENS - 2}[point]
+    kill_at = {"first": 1, "middle": MAX_TOKENS // 2, "late": LATEST_KILL}[point]
     before, failed_before = migrations(url)
     # Several KV blocks long: the cache-aware router places all four where the prompt is cached.
     prompt = f"Story {point}. " + "The lighthouse keeper counted the ships that passed each night. " * 6

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from tests.failover.conftest import MAX_TOKENS, kill_replica_of, migrations, wait_live
+from tests.failover.conftest import LATEST_KILL, KillAt, migrations, wait_live
 from tests.failover.streams import SPECS, client, complete
 
 pytestmark = pytest.mark.slow
@@ -23,14 +23,9 @@ async def _one(url: str, handle, prompt: str, spec: dict, kill_at: int) -> tuple
     c = client(url)
     reference = await complete(c, prompt, spec)
     pids = await wait_live(handle, 2)  # a killed replica comes back only after 40-110 s
-    killed: list[str] = []
-
-    async def on_chunk(request_id: str, tokens: int) -> None:
-        if tokens >= kill_at and not killed:
-            killed.append(await kill_replica_of(handle, request_id, pids))
-
-    got = await complete(c, prompt, spec, on_chunk)
-    return reference, got, killed
+    kill = KillAt(handle, pids, kill_at)
+    got = await complete(c, prompt, spec, kill)
+    return reference, got, kill.killed
 
 
 def test_random_kill_points(failover_cluster):
@@ -39,7 +34,7 @@ def test_random_kill_points(failover_cluster):
     before, failed_before = migrations(url)
     for k in range(KILLS):
         spec = SPECS[k % 2]  # greedy-stream, seeded-stream
-        kill_at = rng.randint(1, MAX_TOKENS - 2)
+        kill_at = rng.randint(1, LATEST_KILL)
         prompt = f"Note {k}. " + "A ship passed the lighthouse at midnight and kept going. " * 4
         reference, got, killed = asyncio.run(_one(url, handle, prompt, spec, kill_at))
         assert killed, (k, kill_at)
