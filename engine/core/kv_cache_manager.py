@@ -85,9 +85,13 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed = len(blocks) * self.block_size
-        self.block_pool.record_prefix_query(request.num_tokens, num_computed)
-        return blocks, num_computed
+        return blocks, len(blocks) * self.block_size
+
+    def count_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """The prefix-cache figures of a request admitted with `num_hit_tokens` found in the
+        pool. Counted once per admission, not per lookup: a request at the head of a queue that
+        cannot take it is looked up again every step."""
+        self.block_pool.record_prefix_query(request.num_tokens, num_hit_tokens)
 
     def offload_hits(self, request: Request, num_hit_blocks: int) -> list[int]:
         """After `num_hit_blocks` pool hits: the hashes that continue the chain in the offload

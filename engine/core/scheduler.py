@@ -86,6 +86,11 @@ class Scheduler:
         self._prompt_logprobs: dict[str, list[TokenLogprob | None]] = {}
         self.num_preemptions = 0
         self.num_holders_released = 0  # waiting requests that gave back blocks they held (_release_waiting_holders)
+        # The last schedule() could start nothing and nothing runs: the waiting head needs blocks
+        # that requests waiting for their KV hold, or KV a fetch in flight brings. Only an event
+        # (a request added or ended, a load done) changes that, so until one the engine's loop
+        # sleeps instead of scheduling the same nothing again (has_work).
+        self.stalled = False
         self.num_steps = 0
         # Speculative decoding (None: off).
         self.drafting = (
@@ -115,6 +120,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.stalled = False
 
     def _check_fits(self, request: Request) -> str | None:
         """A request that could never fit would preempt itself forever: fail it up front."""
@@ -152,6 +158,7 @@ class Scheduler:
                     self.offload.forget(rid)
             req.status = status
             self._free_request(req)
+            self.stalled = False
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -178,8 +185,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self._pending_outputs or self.num_waiting_for_remote_kv)
 
     def has_work(self) -> bool:
-        """Something a step could do now (requests waiting for remote KV need no step)."""
-        return bool(self.waiting or self.running or self._pending_outputs)
+        """Something a step could do now (requests waiting for remote KV need no step, nor
+        waiting ones while `stalled`)."""
+        return bool((self.waiting and not self.stalled) or self.running or self._pending_outputs)
 
     def get_num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + self.num_waiting_for_remote_kv
@@ -251,6 +259,7 @@ class Scheduler:
         new_block_ids: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
+        released = 0
 
         # After a failed step: one quarantined request runs its step alone (step_faults.py).
         suspect = None
@@ -325,7 +334,8 @@ class Scheduler:
                     no_slot.append(self.waiting.popleft())
                     continue
                 tail = None
-                if self._holds_blocks(req):  # its KV arrived (or is recomputed): blocks held
+                holds = self._holds_blocks(req)
+                if holds:  # its KV arrived (or is recomputed): blocks held
                     hit_blocks, num_hit = [], 0
                 else:
                     hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
@@ -334,12 +344,15 @@ class Scheduler:
                     remote = self.remote.remote_tokens(req, num_hit + num_offloaded)
                     source = None
                     if not remote and (peer := self.remote.peer_tokens(req, num_hit + num_offloaded)):
+                        if self.remote.fetching(req, num_hit + num_offloaded):
+                            break  # a fetch in flight brings the same blocks: hit them once they are here
                         remote, source = peer, req.peer_prefix.source  # a peer holds more: all past the pool's hits
                     if (remote or offloaded) and self.lora is not None:
                         self.lora.release(req.request_id)  # pinned again once its KV is here
                     if remote:  # the prefill engine (or the peer) provides all past the pool's hits
                         if not self.remote.hold(req, hit_blocks, num_hit, remote, source):
                             break
+                        self.kv_cache_manager.count_lookup(req, num_hit)
                         self.waiting.popleft()  # waits in self.remote until its KV arrives
                         continue
                     if offloaded:
@@ -355,8 +368,10 @@ class Scheduler:
                     if self.lora is not None:
                         self.lora.release(req.request_id)
                     if not self.running and not self.in_pipe:
-                        self._release_waiting_holders()
+                        released = self._release_waiting_holders()
                     break  # keep policy order: nobody jumps the head of the queue
+                if not holds:
+                    self.kv_cache_manager.count_lookup(req, len(hit_blocks) * self.block_size)
                 self.waiting.popleft()
                 req.num_computed_tokens += num_hit
                 if req.num_cached_tokens < 0:
@@ -410,6 +425,7 @@ class Scheduler:
             out.truncated_block_tables, self._truncated = self._truncated, {}
         self.in_pipe.update(out.num_scheduled_tokens)
         self.num_steps += 1
+        self.stalled = bool(self.waiting) and not self.running and not released and not out.needs_run
         return out
 
     def can_launch(self) -> bool:
@@ -510,18 +526,21 @@ class Scheduler:
 
     # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
 
-    def _release_waiting_holders(self) -> None:
+    def _release_waiting_holders(self) -> int:
         """Nothing runs and the head of the queue cannot get its blocks: they are held by waiting
         requests that came back from a load (a remote prefill, a peer's prefix, the offload tier;
         its KV arrived, or a failed load is recomputed) and wait behind the head. Those let go of
         their blocks (what a load published stays in the prefix cache, where they may hit it
         again) and compute their prompts when their turn comes, so that no request holds
-        capacity that nobody can use."""
+        capacity that nobody can use. Returns how many let go."""
+        released = 0
         for req in list(self.waiting)[1:]:
             if self._holds_blocks(req):
                 self.kv_cache_manager.free(req)
                 req.num_computed_tokens = 0
-                self.num_holders_released += 1
+                released += 1
+        self.num_holders_released += released
+        return released
 
     def _holds_blocks(self, req: Request) -> bool:
         """A waiting request holds blocks only when it came back from a load (a remote prefill, a
@@ -543,6 +562,7 @@ class Scheduler:
         req = self.remote.finish(request_id, loaded)
         if req is None:
             return
+        self.stalled = False
         if not loaded and error is not None:
             req.status = RequestStatus.FINISHED_ERROR
             self._free_request(req)

@@ -13,9 +13,9 @@ like a remote prefill's: engine/kv_transfer/awaiting_kv.py) and waits while the 
 carries (slot, block id, hash) and every rank copies the bytes in; the runner reports the loads
 that failed on any rank. Then the loaded blocks are published in the pool's hash map and the
 request is scheduled as a prefix hit; a failed load drops the hash and its block is recomputed.
-The wait costs one step, shared with whatever else the step runs. Its first lookup is not
-counted (the one after the load is): prefix_cache_hits counts every hit, whatever tier it came
-from, and prefix_cache_hits_offload the part loaded from this one.
+The wait costs one step, shared with whatever else the step runs. Its lookup is counted when it
+is admitted after the load: prefix_cache_hits counts every hit, whatever tier it came from, and
+prefix_cache_hits_offload the part loaded from this one.
 """
 
 from __future__ import annotations
@@ -89,7 +89,6 @@ class OffloadTier:
             self._loads.append((self.index.slot(h), block_id, h))
             self._load_owner.append(req.request_id)
         req.num_computed_tokens = num_hit
-        kv.block_pool.record_prefix_query(-req.num_tokens, -num_hit)  # looked up again after the load
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV

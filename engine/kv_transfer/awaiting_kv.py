@@ -98,6 +98,23 @@ class RemotePrefill:
         n = min(hint.num_tokens, req.num_prompt_tokens - 1) // bs * bs
         return n if n - num_local >= bs else 0
 
+    def fetching(self, req: Request, num_local: int) -> bool:
+        """A peer fetch in flight for another request brings the block this one would fetch
+        first (the block after its `num_local` tokens): fetching it twice costs the pool and the
+        peer twice, so the request waits and hits it once it is published. Hashes chain their
+        parents, so one equal hash means an equal prefix."""
+        i = num_local // self.block_size
+        if i >= len(req.block_hashes):
+            return False
+        h = req.block_hashes[i]
+        return any(
+            load.source is not None
+            and load.first_block <= i < load.first_block + load.num_blocks
+            and i < len(other.block_hashes)
+            and other.block_hashes[i] == h
+            for other, load in self.waiting.values()
+        )
+
     def hold(
         self, req: Request, hit_blocks: list[KVCacheBlock], num_hit: int, num_tokens: int, source: str | None = None
     ) -> bool:

@@ -16,6 +16,7 @@ def run_prefill(m, r):
     hit, n_hit = m.get_computed_blocks(r)
     new = m.allocate_slots(r, r.num_tokens - n_hit, hit)
     assert new is not None
+    m.count_lookup(r, n_hit)
     r.num_computed_tokens = r.num_tokens
     return hit, n_hit, new
 
