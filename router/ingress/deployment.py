@@ -7,6 +7,7 @@ HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/responses, /v1/e
 Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or alias tier) their
 `model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
 /metrics cover every pool.
+SSE framing: `router/ingress/sse.py`.
 Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
 `handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
 `create_response` (the Responses API), `embeddings`, `generate` (TGI), `models`, `health`, `metrics`,
@@ -18,33 +19,29 @@ Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies
 # made `request` a required query parameter (every POST answered 400).
 import asyncio
 import hmac
-import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.types import Message, Send
 
 import router.tracing as tracing
 from router.config import AppConfig
 from router.ingress.cluster_state import pool_state
-from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
+from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json
 from router.ingress.model_pools import ModelPools, PoolClient, SidePool
 from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, is_loopback, serve_http_host
 from router.ingress.responses_api import ResponsesAPI
 from router.ingress.shared_result import SharedResult
+from router.ingress.sse import WriteDeadlineResponse, sse_stream
 from router.ingress.web_page import web_page
 from router.metrics import render_pools
 from router.replica_choice.routing_state import routing_state
 from router.tiering.policy import HINT_HEADER
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
@@ -52,46 +49,11 @@ install_handlers(app)
 app.openapi = openapi_with_bodies(app)
 
 
-class WriteDeadlineResponse(StreamingResponse):
-    """A stream whose every write must be taken by the client within `write_timeout_s`: a client
-    that stops reading is cut off (its request aborted, its KV blocks freed) instead of holding
-    its slot until the request deadline."""
-
-    def __init__(
-        self, content: AsyncIterator[str], write_timeout_s: float, span: "Span | None" = None, **kwargs: Any
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self.write_timeout_s = write_timeout_s
-        self.span = span  # the request's span (router/tracing.py): ended with the stream
-
-    async def stream_response(self, send: Send) -> None:
-        async def send_in_time(message: Message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
-            except TimeoutError:
-                raise OSError(f"the client read nothing for {self.write_timeout_s:g} s") from None
-
-        try:
-            await super().stream_response(send_in_time)
-        finally:
-            await self.body_iterator.aclose()  # ends the request's generator: aborts it now
-            tracing.end(self.span, {"http.response.status_code": 200})  # nothing when the stream ended it
-
-
 def _host_name(host: str) -> str:
     """The name in a Host header, without its port ("[::1]:8000" -> "::1")."""
     if host.startswith("["):
         return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _sse_event(obj: dict) -> str:
-    """The Responses API's framing: each event named by its type; no `[DONE]` at the end."""
-    return f"event: {obj.get('type')}\n{_sse(obj)}"
 
 
 def _health_of(pool: PoolClient | SidePool, results: list[tuple[str, object]]) -> dict:
@@ -216,40 +178,12 @@ class Ingress:
                 tracing.end(span, {"http.response.status_code": status}, error=e if status >= 500 else None)
                 return response
         return WriteDeadlineResponse(
-            self._sse_stream(first, result, tgi, events, span),
+            sse_stream(first, result, tgi, events, span),
             self.settings.write_timeout_s,
             span=span,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-    async def _sse_stream(
-        self, first: dict, rest: AsyncIterator[dict], tgi: bool, events: bool = False, span: "Span | None" = None
-    ):
-        frame = _sse_event if events else _sse
-        last = first
-        failed = None
-        try:
-            yield frame(first)
-            async for chunk in rest:
-                last = chunk
-                yield frame(chunk)
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-            err = failed = to_api_error(e)
-            if events:  # the request's deadline, which ends the event stream from outside
-                seq = last.get("sequence_number", 0) + 1
-                body = {"type": "error", "sequence_number": seq, "code": err.code, "message": err.message}
-                yield frame({**body, "param": err.param})
-            else:
-                yield frame(err.tgi_body() if tgi else err.openai_body())
-        finally:
-            await rest.aclose()
-            error = failed.message if failed is not None and failed.status >= 500 else None
-            tracing.end(
-                span, {"http.response.status_code": 200, "error.type": failed.type if failed else None}, error=error
-            )
-        if not tgi and not events:
-            yield "data: [DONE]\n\n"
 
     # --- OpenAI -----------------------------------------------------------------------------
 
