@@ -8,10 +8,9 @@ Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or ali
 `model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
 /metrics cover every pool.
 SSE framing: `router/ingress/sse.py`.
-Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
-`handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
-`create_response` (the Responses API), `embeddings`, `generate` (TGI), `models`, `health`, `metrics`,
-`cluster_state`.
+Python handle methods (same bodies as HTTP, dicts in and out): `HandleAPI`, the class's base
+(`router/ingress/handle_api.py`: requests, LoRA adapters, routing figures), and in this file
+`health`, `metrics`, `cluster_state`, `replica_stats`.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
@@ -20,8 +19,7 @@ Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies
 import asyncio
 import hmac
 import logging
-import time
-from typing import AsyncIterator
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -32,6 +30,7 @@ import router.tracing as tracing
 from router.config import AppConfig
 from router.ingress.cluster_state import pool_state
 from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json
+from router.ingress.handle_api import HandleAPI
 from router.ingress.model_pools import ModelPools, PoolClient, SidePool
 from router.ingress.openapi import openapi_with_bodies
 from router.ingress.public_bind import check_public_bind, is_loopback, serve_http_host
@@ -70,7 +69,7 @@ def _health_of(pool: PoolClient | SidePool, results: list[tuple[str, object]]) -
 
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
-class Ingress:
+class Ingress(HandleAPI):
     async def __init__(
         self,
         engines: dict[str, DeploymentHandle] | DeploymentHandle,
@@ -132,29 +131,6 @@ class Ingress:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         return body
-
-    async def _call(self, coro):
-        """Run an API call under the per-request timeout; stream results get a deadline too."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.settings.request_timeout_s):
-            result = await coro
-        if hasattr(result, "__anext__"):
-            return self._with_deadline(result, deadline)
-        return result
-
-    async def _with_deadline(self, it: AsyncIterator[dict], deadline: float) -> AsyncIterator[dict]:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                async with asyncio.timeout_at(loop.time() + max(remaining, 0)):
-                    try:
-                        item = await it.__anext__()
-                    except StopAsyncIteration:
-                        return
-                yield item
-        finally:
-            await it.aclose()
 
     async def _respond(self, request: Request, make, tgi: bool = False, events: bool = False) -> Response:
         """`make(body)` -> coroutine of a dict or of an async iterator of chunk dicts (`events`:
@@ -254,29 +230,19 @@ class Ingress:
     @app.post("/v1/load_lora_adapter")
     async def http_load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: serve a PEFT LoRA adapter directory under a name (`lora_name`, `lora_path`)."""
-        return await self._lora_change(request, "http_load")
+        return await self._lora_change(request, self.load_lora_adapter)
 
     @app.post("/v1/unload_lora_adapter")
     async def http_unload_lora_adapter(self, request: Request) -> Response:
         """vLLM's: stop serving an adapter (`lora_name`); 404 for an unknown one."""
-        return await self._lora_change(request, "http_unload")
+        return await self._lora_change(request, self.unload_lora_adapter)
 
-    async def _lora_change(self, request: Request, method: str) -> Response:
+    async def _lora_change(self, request: Request, change: Callable[[dict], Awaitable[str]]) -> Response:
+        """`change`: the handle method (router/ingress/handle_api.py) that does it."""
         try:
-            body = await self._body(request)
-            pool = self.pools.lora_pool(None)
-            return PlainTextResponse(await asyncio.to_thread(getattr(pool.loras, method), body))
+            return PlainTextResponse(await change(await self._body(request)))
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))
-
-    async def load_lora_adapter(self, body: dict) -> str:
-        """The Python handle's /v1/load_lora_adapter."""
-        pool = self.pools.lora_pool(None)
-        return await asyncio.to_thread(pool.loras.http_load, body)
-
-    async def unload_lora_adapter(self, body: dict) -> str:
-        pool = self.pools.lora_pool(None)
-        return await asyncio.to_thread(pool.loras.http_unload, body)
 
     # --- TGI --------------------------------------------------------------------------------
 
@@ -416,49 +382,3 @@ class Ingress:
         """The web page (router/ingress/web/index.html): a chat box and the cluster's state. Static:
         it carries no data, so it needs no key; its requests send the key the user types."""
         return web_page()
-
-    # --- Python handle API ------------------------------------------------------------------
-
-    async def completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
-        return await self._call(self.pools.completions(body, tier_hint))
-
-    async def chat_completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
-        return await self._call(self.pools.chat_completions(body, tier_hint))
-
-    async def create_response(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
-        return await self._call(self.responses.create(body, tier_hint))
-
-    async def embeddings(self, body: dict) -> dict:
-        return await self._call(self.pools.embeddings(body))
-
-    async def tokenize(self, body: dict) -> dict:
-        return await self._call(self.pools.tokenize(body))
-
-    async def detokenize(self, body: dict) -> dict:
-        return await self._call(self.pools.detokenize(body))
-
-    async def generate(self, body: dict) -> dict | AsyncIterator[dict]:
-        if body.get("stream"):
-            return await self._call(self.tgi.generate_stream(body))
-        return await self._call(self.tgi.generate(body))
-
-    async def models(self) -> dict:
-        return self.pools.models()
-
-    def routed_counts(self, pool: str | None = None) -> dict[str, int]:
-        """Requests this router replica sent to each engine replica of a pool (None: the first)
-        and that ended there (tests, debugging)."""
-        return dict(self.pools.get(pool).client.replica_counts)
-
-    def routing_decisions(self) -> dict[str, dict]:
-        """Recent replica choices of this router replica, by request id: replica, policy,
-        predicted and engine-reported cached prompt tokens (tests, debugging)."""
-
-        return routing_state().log.recent()
-
-    def routing_stats(self) -> dict:
-        """Per engine replica: requests routed, predicted and engine-reported cached prompt
-        tokens; the decisions' CPU time (benchmarks; /metrics has the same); and the cached
-        block hashes the KV index knows per replica."""
-
-        return {**routing_state().log.stats(), "index": routing_state().kv_index.sizes()}
