@@ -3,7 +3,7 @@ finds these methods on it): what a `DeploymentHandle` caller uses instead of HTT
 out, the same bodies as the HTTP routes; a body with `"stream": true` needs
 `handle.options(stream=True)` and yields chunk dicts. Also the per-request deadline the HTTP
 routes run under, the LoRA adapter changes both surfaces share, and this router replica's routing
-figures (tests, debugging, benchmarks).
+figures (tests, debugging, benchmarks). Health, stats and metrics: `pool_reports.py`.
 """
 
 from __future__ import annotations
