@@ -14,8 +14,9 @@ handle, with the messages of `router/messages.py`:
     The same batches also ride on the output channels of ingresses with requests here;
   * `export_cached_kv(ExportCachedKV)` (from a replica of the same pool): blocks of a prompt's
     prefix read out of this replica's prefix cache, as a KVHandle (router/replica/peer_fetch.py);
-  * `stats()`, `check_health()` (also Serve's health check).
-  * `record_routing_stats()`: Serve polls it; the ingress's replica choice reads it.
+  * `check_health()` (also Serve's health check);
+  * `stats()`, and for Serve `record_routing_stats()` and `record_autoscaling_stats()`: from
+    `ReplicaStats`, the class's base (router/replica/replica_stats.py).
 Every method takes an optional `replica_id`: the ingress pins calls to one replica with it (see
 `router/replica_choice/`); the replica itself ignores it. Load figures come from the engine's
 stats snapshot (published after each step), never from the scheduler's live structures.
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from typing import AsyncIterator
 
@@ -52,13 +52,13 @@ from router.messages import (
     SubmitRequest,
     TextSideFiles,
 )
-from router.metrics import COUNTERS, new_histograms
-from router.replica.autoscaling_stats import AutoscalingStats
+from router.metrics import new_histograms
 from router.replica.kv_feed import KVFeed
 from router.replica.kv_transport import KVHandle
 from router.replica.outbox import Outbox
 from router.replica.peer_fetch import PeerFetches
 from router.replica.prefill_client import RemotePrefills, prefill_kv
+from router.replica.replica_stats import ReplicaStats
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class _Job:
 
 
 @serve.deployment(name="EngineReplica")
-class EngineReplica:
+class EngineReplica(ReplicaStats):
     def __init__(
         self,
         engine_args: dict,
@@ -378,7 +378,7 @@ class EngineReplica:
         self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
         return await prefill_kv(self.engine, msg, self.replica_id)
 
-    # --- health and stats -------------------------------------------------------------------
+    # --- health -----------------------------------------------------------------------------
 
     async def check_health(self, replica_id: str | None = None) -> None:
         """Serve's health check and the router's /health: raises when the loop died or is stuck
@@ -389,56 +389,6 @@ class EngineReplica:
     async def text_side(self, replica_id: str | None = None) -> TextSideFiles:
         """The model's tokenizer and config files, for an ingress where the path is missing."""
         return TextSideFiles(text_side_files(self.engine.model_config.model_dir))
-
-    async def stats(self, replica_id: str | None = None) -> dict:
-        s = self.engine.stats()
-        s.update(self.counters)
-        s["replica_id"] = self.replica_id
-        s["pid"] = os.getpid()
-        s["rank_pids"] = self.engine.rank_pids()
-        s["node_id"] = self.node_id
-        s["channel_messages"] = self.channel_messages
-        s["router_lease_expiries"] = self.lease_expiries
-        s["finished"] = dict(self.finished)
-        s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}
-        s["queue"] = self.queue.stats()
-        s["alive"] = self.engine.is_alive()
-        if self.remote_prefills is not None:
-            s.update(self.remote_prefills.counters)
-        s.update(self.peer_fetches.counters)
-        s.update(self._speeds())
-        for k in COUNTERS:
-            s.setdefault(k, 0)
-        return s
-
-    def record_routing_stats(self) -> dict:
-        """Load figures for replica choice (Serve polls this), from the engine's last snapshot."""
-        snap = self.engine.snapshot
-        return {
-            "num_running": snap.num_running,
-            "num_waiting": snap.num_waiting,
-            "kv_usage": snap.kv_usage,
-            "queued": len(self.queue.queued),
-            "in_flight": self.queue.in_flight,
-            "lora_loaded": list(snap.lora_loaded),  # adapter-aware replica choice
-            **self._speeds(),  # whether a fetch from a peer beats recomputing here
-        }
-
-    def _speeds(self) -> dict:
-        """Measured here (None: not yet; the replica choice then assumes its defaults)."""
-        speed = self.peer_fetches.speed
-        return {
-            "prefill_tokens_per_s": self.engine.snapshot.prefill_tokens_per_s,
-            "kv_fetch_bytes_per_s": speed.bytes_per_s,
-            "kv_fetch_latency_s": speed.latency_s,
-            "kv_bytes_per_block": self._kv_bytes_per_block,
-        }
-
-    def record_autoscaling_stats(self) -> dict:
-        """Load figures for the autoscaling policy (Serve polls this when autoscaling is on)."""
-        if not hasattr(self, "_autoscaling_stats"):
-            self._autoscaling_stats = AutoscalingStats(self.hist)
-        return self._autoscaling_stats.snapshot(self.engine.snapshot, self.queue.in_flight)
 
     def __del__(self) -> None:
         try:
