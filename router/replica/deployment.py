@@ -53,6 +53,7 @@ from router.messages import (
     TextSideFiles,
 )
 from router.metrics import new_histograms
+from router.replica.job import Job
 from router.replica.kv_feed import KVFeed
 from router.replica.kv_transport import KVHandle
 from router.replica.outbox import Outbox
@@ -62,35 +63,6 @@ from router.replica.replica_stats import ReplicaStats
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
-
-
-class _Job:
-    """One request running here: its ingress's outbox, its pump task, times for the metrics."""
-
-    __slots__ = (
-        "request_id",
-        "children",
-        "ingress_id",
-        "box",
-        "task",
-        "arrival_wall",
-        "arrival_mono",
-        "first_token",
-        "last_token",
-        "children_done",
-        "stopped",
-        "trace",
-    )
-
-    def __init__(self, request_id: str, children: list[str], arrival_wall: float, ingress_id: str, box: Outbox) -> None:
-        self.request_id, self.ingress_id, self.box, self.task = request_id, ingress_id, box, None
-        self.children = children
-        self.arrival_wall, self.arrival_mono = arrival_wall, time.monotonic()
-        self.first_token: float | None = None
-        self.last_token: dict[str, float] = {}
-        self.children_done: set[str] = set()
-        self.stopped: set[str] = set()  # children the ingress finished (stop string)
-        self.trace: tracing.EngineRequestTrace | None = None  # its span (router/tracing.py), when traced
 
 
 @serve.deployment(name="EngineReplica")
@@ -125,7 +97,7 @@ class EngineReplica(ReplicaStats):
         self.hist = new_histograms()
         self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens", "migrated_in")}
         self.finished: dict[str, int] = {}
-        self._jobs: dict[str, _Job] = {}  # request id -> running request
+        self._jobs: dict[str, Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
         self.kv_feed = KVFeed(self.engine.kv_events, self._outboxes.values)
@@ -169,7 +141,7 @@ class EngineReplica(ReplicaStats):
             self.counters["migrated_in"] += 1
         else:
             self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
-        job = _Job(rid, children, msg.arrival_wall, msg.ingress_id, box)
+        job = Job(rid, children, msg.arrival_wall, msg.ingress_id, box)
         if msg.traceparent is not None:
             job.trace = tracing.EngineRequestTrace.start(
                 msg.traceparent,
@@ -253,7 +225,7 @@ class EngineReplica(ReplicaStats):
         (blocks the loop for microseconds)."""
         self.engine.step_handed_over()
 
-    async def _pump(self, job: "_Job", stream, batch_interval_s: float) -> None:
+    async def _pump(self, job: Job, stream, batch_interval_s: float) -> None:
         """Moves one request's outputs from the engine to its ingress's outbox."""
         pending: list = []
         last_sent = 0.0
@@ -297,7 +269,7 @@ class EngineReplica(ReplicaStats):
             if job.box.idle and self._outboxes.get(job.ingress_id) is job.box:
                 del self._outboxes[job.ingress_id]  # also when its ingress never opened a channel
 
-    def _observe(self, job: "_Job", out) -> None:
+    def _observe(self, job: Job, out) -> None:
         rid, now = out.request_id, time.time()
         if job.trace is not None:
             job.trace.output(
