@@ -14,6 +14,8 @@ handle, with the messages of `router/messages.py`:
     The same batches also ride on the output channels of ingresses with requests here;
   * `export_cached_kv(ExportCachedKV)` (from a replica of the same pool): blocks of a prompt's
     prefix read out of this replica's prefix cache, as a KVHandle (router/replica/peer_fetch.py);
+  * `renew_lease(ingress_id)`: that router is alive; one not heard from for a lease has its
+    requests here aborted (`RouterLeases`, the class's base: router/replica/router_leases.py);
   * `check_health()` (also Serve's health check);
   * `stats()`, and for Serve `record_routing_stats()` and `record_autoscaling_stats()`: from
     `ReplicaStats`, the class's base (router/replica/replica_stats.py).
@@ -60,13 +62,14 @@ from router.replica.outbox import Outbox
 from router.replica.peer_fetch import PeerFetches
 from router.replica.prefill_client import RemotePrefills, prefill_kv
 from router.replica.replica_stats import ReplicaStats
+from router.replica.router_leases import RouterLeases
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="EngineReplica")
-class EngineReplica(ReplicaStats):
+class EngineReplica(RouterLeases, ReplicaStats):
     def __init__(
         self,
         engine_args: dict,
@@ -179,36 +182,6 @@ class EngineReplica(ReplicaStats):
         finally:
             if box.idle and self._outboxes.get(ingress_id) is box:
                 del self._outboxes[ingress_id]
-
-    async def renew_lease(self, ingress_id: str, replica_id: str | None = None) -> None:
-        """The router `ingress_id` is alive (router/ingress/lease_renewal.py)."""
-        box = self._outboxes.get(ingress_id)
-        if box is not None:
-            box.last_seen = time.monotonic()
-
-    async def _expire_leases(self) -> None:
-        """Every quarter lease: abort the requests of routers gone for a lease (their KV blocks
-        return at the next step) and drop their outboxes."""
-        while True:
-            await asyncio.sleep(self.router_lease_s / 4)
-            now = time.monotonic()
-            for ingress_id, box in list(self._outboxes.items()):
-                if not box.lease_expired(self.router_lease_s, now):
-                    continue
-                log.warning(
-                    "router %s has not been heard from for %.0f s: aborting its %d request(s)",
-                    ingress_id,
-                    now - box.last_seen,
-                    len(box.active),
-                )
-                self.lease_expiries += 1
-                del self._outboxes[ingress_id]
-                for rid in list(box.active):
-                    job = self._jobs.get(rid)
-                    if job is not None and job.task is not None:
-                        job.task.cancel()  # its cleanup aborts it in the engine
-                    else:
-                        self.engine.abort(rid)
 
     # --- KV events ------------------------------------------------------------------------
 
