@@ -33,7 +33,7 @@ class ReplicaStats:
     node_id: str
     queue: ReplicaQueue
     hist: dict[str, Histogram]
-    counters: dict[str, int]  # prompt and generation tokens, requests moved in
+    counters: dict[str, int]  # prompt and generation tokens, requests resumed here (migrated_in)
     finished: dict[str, int]  # finish reason -> sequences
     channel_messages: int
     lease_expiries: int
