@@ -7,10 +7,11 @@ HTTP routes: OpenAI (/v1/completions, /v1/chat/completions, /v1/responses, /v1/e
 Several model pools (`AppConfig.models`): OpenAI requests go to the pool (or alias tier) their
 `model` names, TGI routes to the first pool (`router/ingress/model_pools.py`); /health and
 /metrics cover every pool.
-Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies need
-`handle.options(stream=True)` and yield chunk dicts): `completions`, `chat_completions`,
-`create_response` (the Responses API), `embeddings`, `generate` (TGI), `models`, `health`, `metrics`,
-`cluster_state`.
+The class holds the HTTP routes and what they share (auth, body, SSE responses through
+`router/ingress/sse.py`). Its bases hold the Python handle methods (same bodies as HTTP, dicts
+in and out): `HandleAPI` (`router/ingress/handle_api.py`: requests, LoRA adapters, routing
+figures) and `PoolReports` (`router/ingress/pool_reports.py`: health, replica stats, metrics,
+cluster state).
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route methods' annotations
@@ -18,64 +19,32 @@ Python handle methods (same bodies as HTTP, dicts in and out; stream=True bodies
 # made `request` a required query parameter (every POST answered 400).
 import asyncio
 import hmac
-import json
 import logging
-import time
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.types import Message, Send
 
 import router.tracing as tracing
 from router.config import AppConfig
-from router.ingress.cluster_state import pool_state
-from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json, to_api_error
-from router.ingress.model_pools import ModelPools, PoolClient, SidePool
+from router.ingress.errors import APIError, api_path, error_response, install_handlers, read_json
+from router.ingress.handle_api import HandleAPI
+from router.ingress.model_pools import ModelPools, SidePool
 from router.ingress.openapi import openapi_with_bodies
+from router.ingress.pool_reports import PoolReports
 from router.ingress.public_bind import check_public_bind, is_loopback, serve_http_host
 from router.ingress.responses_api import ResponsesAPI
 from router.ingress.shared_result import SharedResult
+from router.ingress.sse import WriteDeadlineResponse, sse_stream
 from router.ingress.web_page import web_page
-from router.metrics import render_pools
-from router.replica_choice.routing_state import routing_state
 from router.tiering.policy import HINT_HEADER
-
-if TYPE_CHECKING:
-    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="Orbital", description="OpenAI- and TGI-compatible LLM serving on Ray Serve.")
 install_handlers(app)
 app.openapi = openapi_with_bodies(app)
-
-
-class WriteDeadlineResponse(StreamingResponse):
-    """A stream whose every write must be taken by the client within `write_timeout_s`: a client
-    that stops reading is cut off (its request aborted, its KV blocks freed) instead of holding
-    its slot until the request deadline."""
-
-    def __init__(
-        self, content: AsyncIterator[str], write_timeout_s: float, span: "Span | None" = None, **kwargs: Any
-    ) -> None:
-        super().__init__(content, **kwargs)
-        self.write_timeout_s = write_timeout_s
-        self.span = span  # the request's span (router/tracing.py): ended with the stream
-
-    async def stream_response(self, send: Send) -> None:
-        async def send_in_time(message: Message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
-            except TimeoutError:
-                raise OSError(f"the client read nothing for {self.write_timeout_s:g} s") from None
-
-        try:
-            await super().stream_response(send_in_time)
-        finally:
-            await self.body_iterator.aclose()  # ends the request's generator: aborts it now
-            tracing.end(self.span, {"http.response.status_code": 200})  # nothing when the stream ended it
 
 
 def _host_name(host: str) -> str:
@@ -85,30 +54,9 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-def _sse_event(obj: dict) -> str:
-    """The Responses API's framing: each event named by its type; no `[DONE]` at the end."""
-    return f"event: {obj.get('type')}\n{_sse(obj)}"
-
-
-def _health_of(pool: PoolClient | SidePool, results: list[tuple[str, object]]) -> dict:
-    """A pool's /health entry from its replicas' health check answers (an exception: failed)."""
-    bad = [r for r, v in results if isinstance(v, BaseException)]
-    ok = len(results) >= pool.expected_replicas and not bad
-    return {
-        "status": "ok" if ok else "unavailable",
-        "replicas": len(results),
-        "expected_replicas": pool.expected_replicas,
-        "unhealthy": bad,
-    }
-
-
 @serve.deployment(name="Ingress")
 @serve.ingress(app)
-class Ingress:
+class Ingress(HandleAPI, PoolReports):
     async def __init__(
         self,
         engines: dict[str, DeploymentHandle] | DeploymentHandle,
@@ -171,29 +119,6 @@ class Ingress:
             raise APIError(400, "the request body must be a JSON object")
         return body
 
-    async def _call(self, coro):
-        """Run an API call under the per-request timeout; stream results get a deadline too."""
-        deadline = time.monotonic() + self.settings.request_timeout_s
-        async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.settings.request_timeout_s):
-            result = await coro
-        if hasattr(result, "__anext__"):
-            return self._with_deadline(result, deadline)
-        return result
-
-    async def _with_deadline(self, it: AsyncIterator[dict], deadline: float) -> AsyncIterator[dict]:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                async with asyncio.timeout_at(loop.time() + max(remaining, 0)):
-                    try:
-                        item = await it.__anext__()
-                    except StopAsyncIteration:
-                        return
-                yield item
-        finally:
-            await it.aclose()
-
     async def _respond(self, request: Request, make, tgi: bool = False, events: bool = False) -> Response:
         """`make(body)` -> coroutine of a dict or of an async iterator of chunk dicts (`events`:
         Responses API events). Traced (router/tracing.py): one SERVER span per request, the child
@@ -216,40 +141,12 @@ class Ingress:
                 tracing.end(span, {"http.response.status_code": status}, error=e if status >= 500 else None)
                 return response
         return WriteDeadlineResponse(
-            self._sse_stream(first, result, tgi, events, span),
+            sse_stream(first, result, tgi, events, span),
             self.settings.write_timeout_s,
             span=span,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-    async def _sse_stream(
-        self, first: dict, rest: AsyncIterator[dict], tgi: bool, events: bool = False, span: "Span | None" = None
-    ):
-        frame = _sse_event if events else _sse
-        last = first
-        failed = None
-        try:
-            yield frame(first)
-            async for chunk in rest:
-                last = chunk
-                yield frame(chunk)
-        except Exception as e:  # noqa: BLE001 - headers are sent: report in-band
-            err = failed = to_api_error(e)
-            if events:  # the request's deadline, which ends the event stream from outside
-                seq = last.get("sequence_number", 0) + 1
-                body = {"type": "error", "sequence_number": seq, "code": err.code, "message": err.message}
-                yield frame({**body, "param": err.param})
-            else:
-                yield frame(err.tgi_body() if tgi else err.openai_body())
-        finally:
-            await rest.aclose()
-            error = failed.message if failed is not None and failed.status >= 500 else None
-            tracing.end(
-                span, {"http.response.status_code": 200, "error.type": failed.type if failed else None}, error=error
-            )
-        if not tgi and not events:
-            yield "data: [DONE]\n\n"
 
     # --- OpenAI -----------------------------------------------------------------------------
 
@@ -320,29 +217,19 @@ class Ingress:
     @app.post("/v1/load_lora_adapter")
     async def http_load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: serve a PEFT LoRA adapter directory under a name (`lora_name`, `lora_path`)."""
-        return await self._lora_change(request, "http_load")
+        return await self._lora_change(request, self.load_lora_adapter)
 
     @app.post("/v1/unload_lora_adapter")
     async def http_unload_lora_adapter(self, request: Request) -> Response:
         """vLLM's: stop serving an adapter (`lora_name`); 404 for an unknown one."""
-        return await self._lora_change(request, "http_unload")
+        return await self._lora_change(request, self.unload_lora_adapter)
 
-    async def _lora_change(self, request: Request, method: str) -> Response:
+    async def _lora_change(self, request: Request, change: Callable[[dict], Awaitable[str]]) -> Response:
+        """`change`: the handle method (router/ingress/handle_api.py) that does it."""
         try:
-            body = await self._body(request)
-            pool = self.pools.lora_pool(None)
-            return PlainTextResponse(await asyncio.to_thread(getattr(pool.loras, method), body))
+            return PlainTextResponse(await change(await self._body(request)))
         except Exception as e:  # noqa: BLE001 - every error in the API's shape
             return error_response(e, api_path(request))
-
-    async def load_lora_adapter(self, body: dict) -> str:
-        """The Python handle's /v1/load_lora_adapter."""
-        pool = self.pools.lora_pool(None)
-        return await asyncio.to_thread(pool.loras.http_load, body)
-
-    async def unload_lora_adapter(self, body: dict) -> str:
-        pool = self.pools.lora_pool(None)
-        return await asyncio.to_thread(pool.loras.http_unload, body)
 
     # --- TGI --------------------------------------------------------------------------------
 
@@ -369,87 +256,6 @@ class Ingress:
         return self.tgi.info()
 
     # --- operations -------------------------------------------------------------------------
-
-    async def _replicas(self, pool: PoolClient) -> list[str]:
-        name = pool.handle.deployment_name
-        ids = [r for r, _ in routing_state().known_replicas(self.app_name, name)]
-        if not ids:  # the handle's router starts on first use
-            try:
-                await asyncio.wait_for(pool.handle.stats.remote(), self.settings.control_timeout_s)
-            except Exception:  # noqa: BLE001
-                pass
-            ids = [r for r, _ in routing_state().known_replicas(self.app_name, name)]
-        return ids
-
-    async def _fan_out(self, pool: PoolClient, method: str) -> list[tuple[str, object]]:
-        ids = await self._replicas(pool)
-
-        async def one(rid: str):
-            try:
-                call = getattr(pool.handle, method).remote(replica_id=rid)
-                return rid, await asyncio.wait_for(call, self.settings.control_timeout_s)
-            except Exception as e:  # noqa: BLE001
-                return rid, e
-
-        return list(await asyncio.gather(*(one(r) for r in ids)))
-
-    async def _pool_health(self, pool: PoolClient | SidePool) -> dict:
-        return _health_of(pool, await self._fan_out(pool, "check_health"))
-
-    async def health(self) -> dict:
-        """ok only when every pool has its expected replicas up and answering; the top-level
-        counts are the pools' sums, `pools` has each pool's own."""
-        pools = list(self.pools) + ([self.prefill] if self.prefill is not None else [])
-        each = await asyncio.gather(*(self._pool_health(p) for p in pools))
-        return {
-            "status": "ok" if all(h["status"] == "ok" for h in each) else "unavailable",
-            "replicas": sum(h["replicas"] for h in each),
-            "expected_replicas": sum(h["expected_replicas"] for h in each),
-            "unhealthy": [r for h in each for r in h["unhealthy"]],
-            "pools": {p.name: h for p, h in zip(pools, each)},
-        }
-
-    async def replica_stats(self, pool: str | None = None) -> list[dict]:
-        """Each engine replica's stats for one pool (None: the first; "prefill": a disaggregated
-        app's prefill pool)."""
-        if pool == "prefill" and self.prefill is not None:
-            return await self._stats(self.prefill)
-        return await self._stats(self.pools.get(pool))
-
-    async def _stats(self, pool: PoolClient) -> list[dict]:
-        return [v for _, v in await self._fan_out(pool, "stats") if isinstance(v, dict)]
-
-    async def cluster_state(self) -> dict:
-        """/cluster/state (the web page's state panel): per pool, each replica's health check and
-        stats, the pool's totals, and this router replica's queue and routing counts
-        (router/ingress/cluster_state.py)."""
-        watched: list[tuple[PoolClient | SidePool, str | None, dict | None]] = [
-            (p, None, p.client.stats()) for p in self.pools
-        ]
-        if self.prefill is not None:  # a disaggregated app: requests go to the decode pool
-            watched[0] = (watched[0][0], "decode", watched[0][2])
-            watched.append((self.prefill, "prefill", None))
-
-        async def one(pool: PoolClient | SidePool) -> tuple[list, list]:
-            return await asyncio.gather(self._fan_out(pool, "check_health"), self._fan_out(pool, "stats"))
-
-        answers = await asyncio.gather(*(one(p) for p, _, _ in watched))
-        routing = routing_state().log.stats()["per_replica"]
-        pools = [
-            pool_state(p.name, role, _health_of(p, checks), checks, stats, router, routing)
-            for (p, role, router), (checks, stats) in zip(watched, answers)
-        ]
-        return {"status": "ok" if all(p["status"] == "ok" for p in pools) else "unavailable", "pools": pools}
-
-    async def metrics(self) -> bytes:
-        pools = list(self.pools)
-        stats = await asyncio.gather(*(self._stats(p) for p in pools))
-        page = [(p.name, s, p.client.stats()) for p, s in zip(pools, stats)]
-
-        roles = None
-        if self.prefill is not None:  # per-pool series of a disaggregated app
-            roles = {"decode": stats[0], "prefill": await self._stats(self.prefill)}
-        return render_pools(page, self.pools.overflows, routing_state().log.stats(), roles, self.pools.decisions)
 
     @app.get("/health")
     async def http_health(self) -> JSONResponse:
@@ -482,49 +288,3 @@ class Ingress:
         """The web page (router/ingress/web/index.html): a chat box and the cluster's state. Static:
         it carries no data, so it needs no key; its requests send the key the user types."""
         return web_page()
-
-    # --- Python handle API ------------------------------------------------------------------
-
-    async def completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
-        return await self._call(self.pools.completions(body, tier_hint))
-
-    async def chat_completions(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
-        return await self._call(self.pools.chat_completions(body, tier_hint))
-
-    async def create_response(self, body: dict, tier_hint: str | None = None) -> dict | AsyncIterator[dict]:
-        return await self._call(self.responses.create(body, tier_hint))
-
-    async def embeddings(self, body: dict) -> dict:
-        return await self._call(self.pools.embeddings(body))
-
-    async def tokenize(self, body: dict) -> dict:
-        return await self._call(self.pools.tokenize(body))
-
-    async def detokenize(self, body: dict) -> dict:
-        return await self._call(self.pools.detokenize(body))
-
-    async def generate(self, body: dict) -> dict | AsyncIterator[dict]:
-        if body.get("stream"):
-            return await self._call(self.tgi.generate_stream(body))
-        return await self._call(self.tgi.generate(body))
-
-    async def models(self) -> dict:
-        return self.pools.models()
-
-    def routed_counts(self, pool: str | None = None) -> dict[str, int]:
-        """Requests this router replica sent to each engine replica of a pool (None: the first)
-        and that ended there (tests, debugging)."""
-        return dict(self.pools.get(pool).client.replica_counts)
-
-    def routing_decisions(self) -> dict[str, dict]:
-        """Recent replica choices of this router replica, by request id: replica, policy,
-        predicted and engine-reported cached prompt tokens (tests, debugging)."""
-
-        return routing_state().log.recent()
-
-    def routing_stats(self) -> dict:
-        """Per engine replica: requests routed, predicted and engine-reported cached prompt
-        tokens; the decisions' CPU time (benchmarks; /metrics has the same); and the cached
-        block hashes the KV index knows per replica."""
-
-        return {**routing_state().log.stats(), "index": routing_state().kv_index.sizes()}

@@ -1,4 +1,4 @@
-"""The ingress's side of router leases (router/replica/deployment.py, `_expire_leases`): every
+"""The ingress's side of router leases (router/replica/router_leases.py): every
 engine replica this ingress has requests on hears from it every third of a lease. A replica that
 has not heard from an ingress for a whole lease takes it for dead and aborts its requests, so a
 killed router's requests stop holding KV blocks and batch slots. (The output channel cannot tell:

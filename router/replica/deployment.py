@@ -14,8 +14,11 @@ handle, with the messages of `router/messages.py`:
     The same batches also ride on the output channels of ingresses with requests here;
   * `export_cached_kv(ExportCachedKV)` (from a replica of the same pool): blocks of a prompt's
     prefix read out of this replica's prefix cache, as a KVHandle (router/replica/peer_fetch.py);
-  * `stats()`, `check_health()` (also Serve's health check).
-  * `record_routing_stats()`: Serve polls it; the ingress's replica choice reads it.
+  * `renew_lease(ingress_id)`: that router is alive; one not heard from for a lease has its
+    requests here aborted (`RouterLeases`, the class's base: router/replica/router_leases.py);
+  * `check_health()` (also Serve's health check);
+  * `stats()`, and for Serve `record_routing_stats()` and `record_autoscaling_stats()`: from
+    `ReplicaStats`, the class's base (router/replica/replica_stats.py).
 Every method takes an optional `replica_id`: the ingress pins calls to one replica with it (see
 `router/replica_choice/`); the replica itself ignores it. Load figures come from the engine's
 stats snapshot (published after each step), never from the scheduler's live structures.
@@ -26,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from typing import AsyncIterator
 
@@ -52,49 +54,22 @@ from router.messages import (
     SubmitRequest,
     TextSideFiles,
 )
-from router.metrics import COUNTERS, new_histograms
-from router.replica.autoscaling_stats import AutoscalingStats
+from router.metrics import new_histograms
+from router.replica.job import Job
 from router.replica.kv_feed import KVFeed
 from router.replica.kv_transport import KVHandle
 from router.replica.outbox import Outbox
 from router.replica.peer_fetch import PeerFetches
 from router.replica.prefill_client import RemotePrefills, prefill_kv
+from router.replica.replica_stats import ReplicaStats
+from router.replica.router_leases import RouterLeases
 from workers.executor_factory import make_executor
 
 log = logging.getLogger(__name__)
 
 
-class _Job:
-    """One request running here: its ingress's outbox, its pump task, times for the metrics."""
-
-    __slots__ = (
-        "request_id",
-        "children",
-        "ingress_id",
-        "box",
-        "task",
-        "arrival_wall",
-        "arrival_mono",
-        "first_token",
-        "last_token",
-        "children_done",
-        "stopped",
-        "trace",
-    )
-
-    def __init__(self, request_id: str, children: list[str], arrival_wall: float, ingress_id: str, box: Outbox) -> None:
-        self.request_id, self.ingress_id, self.box, self.task = request_id, ingress_id, box, None
-        self.children = children
-        self.arrival_wall, self.arrival_mono = arrival_wall, time.monotonic()
-        self.first_token: float | None = None
-        self.last_token: dict[str, float] = {}
-        self.children_done: set[str] = set()
-        self.stopped: set[str] = set()  # children the ingress finished (stop string)
-        self.trace: tracing.EngineRequestTrace | None = None  # its span (router/tracing.py), when traced
-
-
 @serve.deployment(name="EngineReplica")
-class EngineReplica:
+class EngineReplica(RouterLeases, ReplicaStats):
     def __init__(
         self,
         engine_args: dict,
@@ -125,7 +100,7 @@ class EngineReplica:
         self.hist = new_histograms()
         self.counters = {k: 0 for k in ("prompt_tokens", "generation_tokens", "migrated_in")}
         self.finished: dict[str, int] = {}
-        self._jobs: dict[str, _Job] = {}  # request id -> running request
+        self._jobs: dict[str, Job] = {}  # request id -> running request
         self._outboxes: dict[str, Outbox] = {}  # ingress id -> its requests' outputs
         self.channel_messages = 0  # output-channel messages sent (vs generation_tokens: batching)
         self.kv_feed = KVFeed(self.engine.kv_events, self._outboxes.values)
@@ -169,7 +144,7 @@ class EngineReplica:
             self.counters["migrated_in"] += 1
         else:
             self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
-        job = _Job(rid, children, msg.arrival_wall, msg.ingress_id, box)
+        job = Job(rid, children, msg.arrival_wall, msg.ingress_id, box)
         if msg.traceparent is not None:
             job.trace = tracing.EngineRequestTrace.start(
                 msg.traceparent,
@@ -208,36 +183,6 @@ class EngineReplica:
             if box.idle and self._outboxes.get(ingress_id) is box:
                 del self._outboxes[ingress_id]
 
-    async def renew_lease(self, ingress_id: str, replica_id: str | None = None) -> None:
-        """The router `ingress_id` is alive (router/ingress/lease_renewal.py)."""
-        box = self._outboxes.get(ingress_id)
-        if box is not None:
-            box.last_seen = time.monotonic()
-
-    async def _expire_leases(self) -> None:
-        """Every quarter lease: abort the requests of routers gone for a lease (their KV blocks
-        return at the next step) and drop their outboxes."""
-        while True:
-            await asyncio.sleep(self.router_lease_s / 4)
-            now = time.monotonic()
-            for ingress_id, box in list(self._outboxes.items()):
-                if not box.lease_expired(self.router_lease_s, now):
-                    continue
-                log.warning(
-                    "router %s has not been heard from for %.0f s: aborting its %d request(s)",
-                    ingress_id,
-                    now - box.last_seen,
-                    len(box.active),
-                )
-                self.lease_expiries += 1
-                del self._outboxes[ingress_id]
-                for rid in list(box.active):
-                    job = self._jobs.get(rid)
-                    if job is not None and job.task is not None:
-                        job.task.cancel()  # its cleanup aborts it in the engine
-                    else:
-                        self.engine.abort(rid)
-
     # --- KV events ------------------------------------------------------------------------
 
     async def kv_events(self, epoch: str | None, seq: int, replica_id: str | None = None) -> AsyncIterator[bytes]:
@@ -253,7 +198,7 @@ class EngineReplica:
         (blocks the loop for microseconds)."""
         self.engine.step_handed_over()
 
-    async def _pump(self, job: "_Job", stream, batch_interval_s: float) -> None:
+    async def _pump(self, job: Job, stream, batch_interval_s: float) -> None:
         """Moves one request's outputs from the engine to its ingress's outbox."""
         pending: list = []
         last_sent = 0.0
@@ -297,7 +242,7 @@ class EngineReplica:
             if job.box.idle and self._outboxes.get(job.ingress_id) is job.box:
                 del self._outboxes[job.ingress_id]  # also when its ingress never opened a channel
 
-    def _observe(self, job: "_Job", out) -> None:
+    def _observe(self, job: Job, out) -> None:
         rid, now = out.request_id, time.time()
         if job.trace is not None:
             job.trace.output(
@@ -378,7 +323,7 @@ class EngineReplica:
         self.counters["prompt_tokens"] += len(msg.prompt_token_ids)
         return await prefill_kv(self.engine, msg, self.replica_id)
 
-    # --- health and stats -------------------------------------------------------------------
+    # --- health -----------------------------------------------------------------------------
 
     async def check_health(self, replica_id: str | None = None) -> None:
         """Serve's health check and the router's /health: raises when the loop died or is stuck
@@ -389,56 +334,6 @@ class EngineReplica:
     async def text_side(self, replica_id: str | None = None) -> TextSideFiles:
         """The model's tokenizer and config files, for an ingress where the path is missing."""
         return TextSideFiles(text_side_files(self.engine.model_config.model_dir))
-
-    async def stats(self, replica_id: str | None = None) -> dict:
-        s = self.engine.stats()
-        s.update(self.counters)
-        s["replica_id"] = self.replica_id
-        s["pid"] = os.getpid()
-        s["rank_pids"] = self.engine.rank_pids()
-        s["node_id"] = self.node_id
-        s["channel_messages"] = self.channel_messages
-        s["router_lease_expiries"] = self.lease_expiries
-        s["finished"] = dict(self.finished)
-        s["histograms"] = {k: h.to_dict() for k, h in self.hist.items()}
-        s["queue"] = self.queue.stats()
-        s["alive"] = self.engine.is_alive()
-        if self.remote_prefills is not None:
-            s.update(self.remote_prefills.counters)
-        s.update(self.peer_fetches.counters)
-        s.update(self._speeds())
-        for k in COUNTERS:
-            s.setdefault(k, 0)
-        return s
-
-    def record_routing_stats(self) -> dict:
-        """Load figures for replica choice (Serve polls this), from the engine's last snapshot."""
-        snap = self.engine.snapshot
-        return {
-            "num_running": snap.num_running,
-            "num_waiting": snap.num_waiting,
-            "kv_usage": snap.kv_usage,
-            "queued": len(self.queue.queued),
-            "in_flight": self.queue.in_flight,
-            "lora_loaded": list(snap.lora_loaded),  # adapter-aware replica choice
-            **self._speeds(),  # whether a fetch from a peer beats recomputing here
-        }
-
-    def _speeds(self) -> dict:
-        """Measured here (None: not yet; the replica choice then assumes its defaults)."""
-        speed = self.peer_fetches.speed
-        return {
-            "prefill_tokens_per_s": self.engine.snapshot.prefill_tokens_per_s,
-            "kv_fetch_bytes_per_s": speed.bytes_per_s,
-            "kv_fetch_latency_s": speed.latency_s,
-            "kv_bytes_per_block": self._kv_bytes_per_block,
-        }
-
-    def record_autoscaling_stats(self) -> dict:
-        """Load figures for the autoscaling policy (Serve polls this when autoscaling is on)."""
-        if not hasattr(self, "_autoscaling_stats"):
-            self._autoscaling_stats = AutoscalingStats(self.hist)
-        return self._autoscaling_stats.snapshot(self.engine.snapshot, self.queue.in_flight)
 
     def __del__(self) -> None:
         try:

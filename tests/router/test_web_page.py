@@ -82,7 +82,7 @@ def test_the_wheel_ships_the_page():
 
 
 def _replica_stats(replica_id: str, **figures) -> dict:
-    """A replica's `stats()` as router/replica/deployment.py builds it (the parts the state reads)."""
+    """A replica's `stats()` as router/replica/replica_stats.py builds it (the parts the state reads)."""
     return {
         **EngineStats(**figures).as_dict(),
         "prompt_tokens": 40,
