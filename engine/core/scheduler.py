@@ -8,21 +8,23 @@ tokens and applies stop conditions.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_handoffs import KVHandoffs
 from engine.core.scheduler_output import (
     CachedRequestData,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from engine.core.scheduler_stats import SchedulerStats
 from engine.core.step_faults import StepFaults
-from engine.kv_transfer.awaiting_kv import KVLoadRequest, RemotePrefill
+from engine.core.step_recovery import StepRecovery
+from engine.core.step_results import StepResults
+from engine.kv_transfer.awaiting_kv import RemotePrefill
 from engine.kv_transfer.config import KVTransferConfig
 from engine.kv_transfer.exports import KVExports
 from engine.lora.batch import NO_SLOT
@@ -33,16 +35,18 @@ from engine.request import Request, RequestStatus
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_length import StepCostModel
 from engine.spec_decode.drafting import Drafting
-from engine.stats import EngineStats
 from engine.structured.matcher import step_bitmasks
 
 if TYPE_CHECKING:
     from engine.spec_decode.draft_model import DraftModelProposer
 
-log = logging.getLogger(__name__)
 
+class Scheduler(StepResults, KVHandoffs, StepRecovery, SchedulerStats):
+    """The state and the step's schedule; the parts that act on that state live beside it:
+    StepResults (engine/core/step_results.py), KVHandoffs (kv_handoffs.py: the offload tier, a
+    prefill engine's or a peer's KV), StepRecovery (step_recovery.py: failed steps) and
+    SchedulerStats (scheduler_stats.py)."""
 
-class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
@@ -453,278 +457,6 @@ class Scheduler:
         if self.lora is None:  # the front end refuses these; never run one on the base model
             raise RuntimeError(f"request {req.request_id} names a LoRA adapter but LoRA is off")
         return self.lora.acquire(req.request_id, req.lora_request) is not None
-
-    def isolate_fault(self, so: SchedulerOutput, error: BaseException) -> list[EngineCoreOutput] | None:
-        """The step of `so` raised `error` (step_faults.py): roll back every request it ran, fail
-        the culprit or quarantine the suspects. Returns the outputs to hand out (the culprit's
-        error), or None when the fault is the step's own (the caller re-raises)."""
-        self._step_done(so, set(range(len(so.kv_loads))))  # no load is trusted: recomputed
-        scheduled = [rid for rid in so.num_scheduled_tokens if rid in self.requests]
-        new_ids = [r.request_id for r in so.new_requests if r.request_id in self.requests]
-        culprit, suspects = self.faults.suspects(new_ids, scheduled)
-        if culprit is None and not suspects:
-            return None
-        if culprit is not None and not self.faults.found_culprit(culprit):
-            return None
-        for rid in scheduled:
-            req = self.requests[rid]
-            if req.status != RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens -= so.num_scheduled_tokens[rid]  # this step's KV was never written
-            self.running.remove(req)
-            if rid == culprit:
-                req.status = RequestStatus.FINISHED_ERROR
-                self._free_request(req)
-                msg = f"this request failed the engine step ({type(error).__name__}: {error}); it was not retried"
-                self._pending_outputs.append(
-                    EngineCoreOutput(rid, [], finish_reason="error", error=msg[:500], error_kind="internal")
-                )
-            else:
-                self._preempt(req, count=False)
-                self._preempted_unsent.add(rid)
-        self.faults.quarantined.update(suspects)
-        if self.lora is not None:
-            self.lora.unplace(so.lora_loads)
-        log.warning(
-            "engine step failed (%s: %s); %s",
-            type(error).__name__,
-            error,
-            f"request {culprit} failed alone" if culprit else f"quarantined {len(suspects)} new request(s)",
-        )
-        outputs, self._pending_outputs = self._pending_outputs, []
-        return outputs
-
-    def roll_back(self, so: SchedulerOutput, mro: ModelRunnerOutput | None) -> None:
-        """Drop the results of a step launched after one that failed (`mro`: its output, None if
-        it raised too): it may have read KV the failed step never wrote (a prefix hit or a tail
-        copy of a block that step was to fill). Its requests are recomputed from scratch with
-        none of their blocks kept in the prefix cache. Roll back the newest step first, so the
-        failed step's blocks are no longer shared when its own requests let go of them."""
-        self._step_done(so, set(mro.kv_load_failed) if mro is not None else set(range(len(so.kv_loads))))
-        for rid in so.num_scheduled_tokens:
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            req.num_computed_tokens = 0  # free() then unpublishes all its blocks, remembers no tail
-            self.running.remove(req)
-            self._preempt(req, count=False)
-            self._preempted_unsent.add(rid)
-        if mro is None and self.lora is not None:
-            self.lora.unplace(so.lora_loads)
-
-    # --- the offload tier (engine/kv_offload/) ---------------------------------------------
-
-    def _offload_loads_done(self, so: SchedulerOutput, failed: set[int]) -> None:
-        """The loads of the step of `so` ran (`failed`: indices of those that did not): their
-        requests go back to the head of the queue holding their blocks."""
-        entry = self._offload_in_flight.pop(id(so), None)  # the entry holds `so`: its id is not reused
-        if entry is None:
-            return
-        _, owners = entry
-        for req in reversed(self.offload.loads_done(self.kv_cache_manager, so.kv_loads, owners, failed)):
-            self.waiting.appendleft(req)
-
-    # --- disaggregated serving (engine/kv_transfer/) ---------------------------------------
-
-    def _release_waiting_holders(self) -> int:
-        """Nothing runs and the head of the queue cannot get its blocks: they are held by waiting
-        requests that came back from a load (a remote prefill, a peer's prefix, the offload tier;
-        its KV arrived, or a failed load is recomputed) and wait behind the head. Those let go of
-        their blocks (what a load published stays in the prefix cache, where they may hit it
-        again) and compute their prompts when their turn comes, so that no request holds
-        capacity that nobody can use. Returns how many let go."""
-        released = 0
-        for req in list(self.waiting)[1:]:
-            if self._holds_blocks(req):
-                self.kv_cache_manager.free(req)
-                req.num_computed_tokens = 0
-                released += 1
-        self.num_holders_released += released
-        return released
-
-    def _holds_blocks(self, req: Request) -> bool:
-        """A waiting request holds blocks only when it came back from a load (a remote prefill, a
-        peer's prefix: its KV arrived, or a failed load is recomputed here): preemption and
-        `_release_waiting_holders` free a request's blocks and a failed allocation leaves none."""
-        return req.request_id in self.kv_cache_manager.req_to_blocks
-
-    def take_kv_loads(self) -> list[KVLoadRequest]:
-        """Remote prefills asked for since the last call (the caller performs them)."""
-        return self.remote.take_loads()
-
-    def remote_kv_target(self, request_id: str) -> list[int] | None:
-        """The block ids a load's contents go to; None when the request is gone (aborted)."""
-        return self.remote.target(request_id)
-
-    def remote_kv_done(self, request_id: str, loaded: bool, error: str | None = None) -> None:
-        """A load ended. `loaded`: its contents are in the blocks; else they are recomputed here,
-        or with `error` the request fails with it."""
-        req = self.remote.finish(request_id, loaded)
-        if req is None:
-            return
-        self.stalled = False
-        if not loaded and error is not None:
-            req.status = RequestStatus.FINISHED_ERROR
-            self._free_request(req)
-            self._pending_outputs.append(
-                EngineCoreOutput(request_id, [], finish_reason="error", error=error, error_kind="unavailable")
-            )
-            return
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)  # scheduled first, with the blocks it holds
-
-    # --- results ----------------------------------------------------------------------------
-
-    def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[EngineCoreOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
-        mro = model_runner_output
-        self._step_done(scheduler_output, set(mro.kv_load_failed))
-        self.faults.step_ok(scheduler_output.num_scheduled_tokens)
-        index = {rid: i for i, rid in enumerate(mro.request_ids)}
-        for rid in scheduler_output.num_scheduled_tokens:
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished, aborted or preempted since it was scheduled
-            embedding = mro.embeddings.get(rid)
-            if embedding is not None:  # an embedding request's prompt ended: it is done
-                outputs.append(self._finish_embedding(req, embedding))
-                continue
-            i = index.get(rid)
-            sampled = mro.sampled_token_ids[i] if i is not None else []
-            logprobs = mro.logprobs[i] if i is not None and i < len(mro.logprobs) else None
-            draft = scheduler_output.scheduled_spec_tokens.get(rid)
-            if draft and sampled:
-                self._verified(req, len(draft), len(sampled))
-            new_tokens: list[int] = []
-            stopped = False
-            if sampled and req.num_computed_tokens >= req.num_tokens:
-                for tok in sampled:
-                    req.append_output_token_ids([tok])
-                    new_tokens.append(tok)
-                    if self._check_stop(req):
-                        stopped = True
-                        break
-                if logprobs is not None:
-                    logprobs = logprobs[: len(new_tokens)]
-            prompt_lps = self._collect_prompt_logprobs(req, mro.prompt_logprobs.get(rid))
-            if stopped:
-                self.running.remove(req)
-                self._free_request(req)
-            if new_tokens or prompt_lps is not None or stopped:
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=rid,
-                        new_token_ids=new_tokens,
-                        new_logprobs=logprobs if new_tokens else None,
-                        prompt_logprobs=prompt_lps,
-                        finish_reason=req.status.finish_reason if stopped else None,
-                        stop_reason=req.stop_reason if stopped else None,
-                        error=req.grammar.error if stopped and req.grammar is not None else None,
-                        num_cached_tokens=max(req.num_cached_tokens, 0),
-                        queue_time=(req.first_scheduled_time - req.arrival_time)
-                        if new_tokens and req.num_output_tokens == len(new_tokens)
-                        else None,
-                    )
-                )
-        return outputs
-
-    def _finish_embedding(self, req: Request, embedding: list[float]) -> EngineCoreOutput:
-        """An embedding request ends at its prompt's end with no token; its blocks go back to the
-        pool (the full ones stay in the prefix cache, as any request's do)."""
-        req.status = RequestStatus.FINISHED_STOPPED
-        self.running.remove(req)
-        self._free_request(req)
-        return EngineCoreOutput(
-            request_id=req.request_id,
-            new_token_ids=[],
-            finish_reason="stop",
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            queue_time=req.first_scheduled_time - req.arrival_time,
-            embedding=embedding,
-        )
-
-    def _collect_prompt_logprobs(self, req: Request, chunk) -> list[TokenLogprob | None] | None:
-        if req.sampling_params.prompt_logprobs is None:
-            return None
-        if chunk:
-            self._prompt_logprobs.setdefault(req.request_id, []).extend(chunk)
-        if req.num_computed_tokens >= req.num_prompt_tokens and req.request_id in self._prompt_logprobs:
-            return self._prompt_logprobs.pop(req.request_id)
-        return None
-
-    def _check_stop(self, req: Request) -> bool:
-        """Stop conditions after one appended token; sets status and stop_reason."""
-        sp = req.sampling_params
-        if req.grammar is not None:
-            last = req.output_token_ids[-1]
-            if not req.grammar.accept(last):  # masked out: never expected
-                req.status = RequestStatus.FINISHED_ERROR
-                return True
-            # Once complete the grammar allows only an end token; it ends the request even
-            # with ignore_eos (nothing may follow). Other ends stay tokens of the text.
-            if req.grammar.is_stopped() and (last == req.eos_token_id or last in sp.stop_token_ids):
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-        if req.num_output_tokens >= sp.min_tokens:
-            last = req.output_token_ids[-1]
-            if not sp.ignore_eos and req.eos_token_id is not None and last == req.eos_token_id:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-            if last in sp.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = last
-                return True
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
-    # --- metrics ----------------------------------------------------------------------------
-
-    def snapshot(self) -> EngineStats:
-        """The state after the last step (built on the step thread; read anywhere)."""
-        kv = self.kv_cache_manager.stats(self.running)
-        d, rp = self.drafting, self.remote
-        unscheduled = [
-            r.arrival_time for r in self.waiting if r.status == RequestStatus.WAITING and r.first_scheduled_time is None
-        ]
-        return EngineStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_preemptions=self.num_preemptions,
-            num_request_faults=self.faults.num_isolated,
-            num_steps=self.num_steps,
-            num_blocks=kv["num_blocks"],
-            kv_capacity_tokens=kv["num_blocks"] * self.kv_cache_manager.block_size,
-            blocks_used=kv["blocks_used"],
-            blocks_free=kv["blocks_free"],
-            blocks_cached=kv["blocks_cached"],
-            kv_usage=kv["usage"],
-            prefix_cache_queries=kv["prefix_cache_queries"],
-            prefix_cache_hits=kv["prefix_cache_hits"],
-            prefix_hit_rate=kv["prefix_hit_rate"],
-            num_evictions=kv["num_evictions"],
-            kv_waste=kv["kv_waste"],
-            oldest_unscheduled_arrival=min(unscheduled) if unscheduled else None,
-            spec_num_drafts=d.num_drafts if d else 0,
-            spec_num_draft_tokens=d.num_draft_tokens if d else 0,
-            spec_num_accepted_tokens=d.num_accepted_tokens if d else 0,
-            num_waiting_for_remote_kv=len(rp.waiting),
-            num_remote_prefills=rp.num_remote,
-            num_local_prefills=rp.num_local,
-            num_remote_prefill_failures=rp.num_failed,
-            num_peer_fetches=rp.num_peer,
-            num_peer_fetch_failures=rp.num_peer_failed,
-            lora_loaded=tuple(self.lora.loaded()) if self.lora else (),
-            num_lora_loads=self.lora.num_loads if self.lora else 0,
-            num_lora_evictions=self.lora.num_evictions if self.lora else 0,
-            **(self.offload.stats() if self.offload is not None else {}),
-        )
-
-    def stats(self) -> dict:
-        return self.snapshot().as_dict()
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
