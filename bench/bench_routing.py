@@ -15,7 +15,7 @@ and `cache-aware+tiers` (a disk tier of `--offload-mib` per replica, fetch from 
 With `--kv-mib` small enough that the workloads evict (64: ~1,400 tokens per replica in float32),
 the tier keeps what the pool evicts:
 
-    python -m bench.bench_routing --policies cache-aware,cache-aware+tiers --kv-mib 64 --chats 12
+    python -m bench.bench_routing --policies cache-aware,cache-aware+tiers --kv-mib 64 --chats 30
 
 Reports per policy and workload: prefix-cache hit rate (engine-reported, all replicas) against
 the ideal, TTFT p50/p99, output tokens/s, and the routing decision's CPU time per request.
