@@ -74,8 +74,7 @@ class ModelLoRA:
         for key, s in self.slots.items():
             s.set_slot(slot, by_linear.get(key, {}))
 
-    @staticmethod
-    def batch(slots: list[int], starts: list[int], counts: list[int], device: torch.device) -> LoRABatch | None:
+    def batch(self, slots: list[int], starts: list[int], counts: list[int], device: torch.device) -> LoRABatch | None:
         if all(s == NO_SLOT for s in slots):
             return None
-        return LoRABatch.build(slots, starts, counts, device)
+        return LoRABatch.build(slots, starts, counts, device, self.config.max_loras)

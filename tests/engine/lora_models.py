@@ -18,6 +18,8 @@ ADAPTERS = {
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     ),
     "mlp1": dict(r=2, lora_alpha=4, target_modules=["o_proj", "up_proj", "down_proj"], layers_to_transform=[1]),
+    # A fourth: a batch of all four computes its deltas with grouped matmuls (engine/lora/batch.py).
+    "kgate": dict(r=6, lora_alpha=6, target_modules=["k_proj", "gate_proj"]),
 }
 
 

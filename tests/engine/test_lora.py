@@ -1,5 +1,5 @@
-"""Multi-LoRA in the engine (engine/lora/): three random peft adapters of different ranks and
-targets and the base model in one batch, token for token and logprob for logprob against
+"""Multi-LoRA in the engine (engine/lora/): four random peft adapters of different ranks and
+targets and the base model in one batch (looped per adapter and grouped), token for token and logprob for logprob against
 transformers + peft in float32; the prefix cache rooted by the adapter; slots, the host LRU,
 load and unload; adapters refused with the reason."""
 
@@ -68,11 +68,15 @@ MODES = {"plain": {}, "ngram": {"speculative_config": "ngram:3"}, "preempt": {"n
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_mixed_batch_matches_peft(lora_setup, mode):
-    """Three adapters and the base in one batch (interleaved, prefill chunks beside decode rows)."""
+def test_mixed_batch_matches_peft(lora_setup, mode, monkeypatch):
+    """Four adapters and the base in one batch (interleaved, prefill chunks beside decode rows):
+    steps with all four compute the deltas with grouped matmuls, the others per adapter."""
     base_dir, paths, expected = lora_setup
     loras = {name: LoRARequest(name, i + 1, str(paths[name])) for i, name in enumerate(ADAPTERS)}
-    llm = _llm(base_dir, max_loras=3, **MODES[mode])
+    grouped = []
+    real = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: grouped.append(1) or real(*a, **k))
+    llm = _llm(base_dir, max_loras=len(ADAPTERS), **MODES[mode])
     order = [(name, j) for j in range(len(PROMPTS)) for name in [*ADAPTERS, None]]
     outs = llm.generate(
         [{"prompt_token_ids": PROMPTS[j]} for _, j in order],
@@ -83,9 +87,10 @@ def test_mixed_batch_matches_peft(lora_setup, mode):
     for out, (name, j) in zip(outs, order):
         _check(out, expected[name][j])
     stats = llm.stats()
-    assert stats["num_lora_loads"] == 3
+    assert stats["num_lora_loads"] == len(ADAPTERS)
     if mode == "plain":
         assert stats["num_steps"] < 3 * MAX_TOKENS  # one batch: every request in every step
+        assert grouped, "no step ran the grouped form"
     if mode == "preempt":
         assert stats["num_preemptions"] > 0
     if mode == "ngram":
@@ -93,7 +98,7 @@ def test_mixed_batch_matches_peft(lora_setup, mode):
 
 
 def test_one_slot_serves_every_adapter_in_turn(lora_setup):
-    """max_loras=1 with requests of three adapters waiting at once: each adapter waits for the
+    """max_loras=1 with requests of every adapter waiting at once: each adapter waits for the
     slot (never a deadlock), and every output still equals the reference."""
     base_dir, paths, expected = lora_setup
     llm = _llm(base_dir, max_loras=1, max_cpu_loras=2)

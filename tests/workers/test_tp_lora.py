@@ -33,7 +33,7 @@ def test_mixed_adapters_at_tp2_match_peft(kv_heads, tmp_path, smollm_tokenizer, 
     expected = [hf_greedy(refs[name], p, 10, None) for name, p in order]
     llm = LLM(
         str(base_dir), tensor_parallel_size=2, dtype="float32", block_size=8, num_blocks=64, max_num_batched_tokens=32,
-        num_threads=1, enable_lora=True, max_loras=3, max_lora_rank=8,
+        num_threads=1, enable_lora=True, max_loras=len(ADAPTERS), max_lora_rank=8,
     )  # fmt: skip
     try:
         outs = llm.generate(
