@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import statistics
-import time
 from typing import Iterator
 
 import ray
 import torch
 import torch.distributed as dist
 
+from bench.timing import median_time
 from tests.net import free_port
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -73,14 +72,9 @@ def check(ref) -> None:
 
 
 def median_ms(fn, steps: int) -> float:
-    for _ in range(max(5, steps // 10)):
+    for _ in range(max(5, steps // 10)):  # a graph's or a group's first hops set up buffers
         fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_time(fn, steps)
 
 
 def main(argv: list[str] | None = None) -> int:
