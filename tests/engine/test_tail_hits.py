@@ -24,6 +24,7 @@ def schedule(m, r):
     n_tail = tail.num_tokens if tail is not None else 0
     new = m.allocate_slots(r, r.num_tokens - n_hit - n_tail, hit, tail=tail)
     assert new is not None
+    m.count_lookup(r, n_hit)  # the admission's full-block hits (allocate_slots counts the tail's)
     r.num_computed_tokens = r.num_tokens
     return n_hit + n_tail, m.take_copies(), new
 
