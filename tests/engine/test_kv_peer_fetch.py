@@ -289,7 +289,7 @@ def test_requests_of_one_prefix_fetch_it_once_and_hit_it_after(engines):
     holder, fetcher = engines
     for llm in engines:
         llm.engine.core.scheduler.reset_prefix_cache()
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     prompts = _followers(3)
     refs = {f"ref{j}": p for j, p in enumerate(prompts)}
     want = {}
@@ -298,7 +298,8 @@ def test_requests_of_one_prefix_fetch_it_once_and_hit_it_after(engines):
         fetcher.engine.core.add_request(r)
         while fetcher.engine.core.has_unfinished_requests():
             for out in fetcher.engine.core.step():
-                want[rid] = want.get(rid, []) + out.new_token_ids
+                ids, lps = want.get(rid, ([], []))
+                want[rid] = (ids + out.new_token_ids, lps + (out.new_logprobs or []))
         fetcher.engine.core.scheduler.reset_prefix_cache()
     _run(holder, "warm-once", SamplingParams(temperature=0, max_tokens=2))
     core = fetcher.engine.core
@@ -308,7 +309,7 @@ def test_requests_of_one_prefix_fetch_it_once_and_hit_it_after(engines):
         [r] = fetcher.engine.inputs.make_requests(f"f{j}", p, params)
         r.peer_prefix = PeerPrefix("holder", 6 * BS)
         core.add_request(r)
-    got: dict[str, list[int]] = {}
+    got: dict[str, tuple[list, list]] = {}
     loads = []
     for i in range(5):  # the fetch is out for several steps
         assert not core.step()
@@ -322,9 +323,11 @@ def test_requests_of_one_prefix_fetch_it_once_and_hit_it_after(engines):
     assert core.has_work()
     while core.has_unfinished_requests():
         for out in core.step():
-            got[out.request_id] = got.get(out.request_id, []) + out.new_token_ids
+            ids, lps = got.get(out.request_id, ([], []))
+            got[out.request_id] = (ids + out.new_token_ids, lps + (out.new_logprobs or []))
         assert not core.take_kv_loads()
-    assert [got[f"f{j}"] for j in range(3)] == [want[f"ref{j}"] for j in range(3)]
+    for j in range(3):  # batched with fetched KV against alone and recomputed: one computation, two paths
+        _same(got[f"f{j}"], want[f"ref{j}"], FLOAT32_NOISE)
     # f0's lookup found nothing here (the fetched tokens are counted as fetched, not as hits);
     # f1 and f2 each found the 6 fetched blocks, once.
     assert pool.prefix_cache_queries - q0 == sum(len(p) for p in prompts)
