@@ -60,19 +60,28 @@ class ModelLoRA:
             self.load(slot, lora)
 
     def load(self, slot: int, lora: LoRARequest | None) -> None:
-        for s in self.slots.values():  # emptied first: an adapter that fails to read leaves no stale one
-            s.clear_slot(slot)
+        """Put `lora` in `slot` (None: empty it). Each linear's `set_slot` empties its slot before
+        writing; an adapter that fails to read empties the slot too, so none is left stale."""
         if lora is None:
+            self._clear(slot)
             return
         weights = self.host.get(lora.cache_key)
         if weights is None:
-            weights = self.host[lora.cache_key] = read_adapter(lora, self.dtype)
+            try:
+                weights = self.host[lora.cache_key] = read_adapter(lora, self.dtype)
+            except BaseException:
+                self._clear(slot)
+                raise
         by_linear: dict[tuple[int, str], dict] = {}
         for (layer, module), ab in weights.items():
             _, name, shard = _PLACES[module]
             by_linear.setdefault((layer, name), {})[shard] = ab
         for key, s in self.slots.items():
             s.set_slot(slot, by_linear.get(key, {}))
+
+    def _clear(self, slot: int) -> None:
+        for s in self.slots.values():
+            s.clear_slot(slot)
 
     def batch(self, slots: list[int], starts: list[int], counts: list[int], device: torch.device) -> LoRABatch | None:
         if all(s == NO_SLOT for s in slots):
