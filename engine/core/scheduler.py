@@ -347,12 +347,15 @@ class Scheduler(StepResults, KVHandoffs, StepRecovery, SchedulerStats):
                     num_offloaded = len(offloaded) * self.block_size
                     remote = self.remote.remote_tokens(req, num_hit + num_offloaded)
                     source = None
+                    fetching = False
                     if not remote and (peer := self.remote.peer_tokens(req, num_hit + num_offloaded)):
-                        if self.remote.fetching(req, num_hit + num_offloaded):
-                            break  # a fetch in flight brings the same blocks: hit them once they are here
+                        # A fetch in flight brings the same blocks: wait, and hit them once they are here.
+                        fetching = self.remote.fetching(req, num_hit + num_offloaded)
                         remote, source = peer, req.peer_prefix.source  # a peer holds more: all past the pool's hits
                     if (remote or offloaded) and self.lora is not None:
                         self.lora.release(req.request_id)  # pinned again once its KV is here
+                    if fetching:
+                        break
                     if remote:  # the prefill engine (or the peer) provides all past the pool's hits
                         if not self.remote.hold(req, hit_blocks, num_hit, remote, source):
                             break
