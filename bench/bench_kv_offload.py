@@ -9,6 +9,15 @@ prompt of the same length (the pool turns over: all but a block or two of the fi
 blocks are evicted, into the tier when it is on), then the first prompt again, timed: its wall time with one output token is
 its TTFT. Medians over the rounds, the engines alternating; the ratio is off over on. The tier's
 own cost is printed too: the seconds its ranks spent saving and loading, per block.
+
+    python -m bench.bench_kv_offload --beside 6 [--tokens 400 --rounds 3]
+
+The tier's I/O beside other requests' steps: two engines with the tier on, one whose ranks run
+its saves and loads on their I/O thread beside the step's forward (as served), one on the step
+thread before the forward. Per round, `--beside` prompts of `--tokens` tokens in one batch (32
+output tokens each) through a pool that holds about half of them, so every round saves and loads
+blocks while other requests prefill and decode. Medians of the round times (the first round,
+which only saves, left out) and the step thread's seconds on the tier per block moved.
 """
 
 from __future__ import annotations
@@ -28,7 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--medium", default="disk", choices=["disk", "host"])
     p.add_argument("--offload-bytes", type=int, default=512 << 20)
+    p.add_argument("--beside", type=int, default=0, help="the I/O-thread comparison with this many prompts")
     a = p.parse_args(argv)
+    if a.beside:
+        return beside(a)
     from engine import LLM, SamplingParams
 
     block = 16
@@ -78,6 +90,51 @@ def main(argv: list[str] | None = None) -> int:
         f"{loaded} loaded, {store.seconds_loading / max(loaded, 1) * 1e3:.2f} ms/block; "
         f"hits {st['prefix_cache_hits_offload']} tokens, failures {st['offload_load_failures']}"
     )
+    for llm in engines.values():
+        llm.shutdown()
+    return 0
+
+
+def beside(a) -> int:
+    from engine import LLM, SamplingParams
+
+    block, out_tokens = 16, 32
+    per_prompt = -(-(a.tokens + out_tokens) // block)
+    num_blocks = per_prompt * a.beside // 2 + 1  # about half the batch: each round evicts the rest
+    common = dict(dtype=a.dtype, num_threads=a.threads, block_size=block, num_blocks=num_blocks)
+    common.update(kv_offload_bytes=a.offload_bytes, kv_offload_medium=a.medium, max_num_seqs=a.beside)
+    engines = {"I/O thread": LLM(**common), "step thread": LLM(**common)}
+    engines["step thread"].engine.core.executor.runner.offload_io.background = False
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(a.tokens)]} for _ in range(a.beside)]
+    params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
+    rounds: dict[str, list[float]] = {k: [] for k in engines}
+    outs: dict[str, list] = {}
+    for r in range(a.rounds + 1):
+        for name, llm in engines.items():
+            t = time.perf_counter()
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            if r:
+                rounds[name].append(time.perf_counter() - t)
+            assert outs.setdefault(name, got) == got, name  # every round the same tokens
+    assert outs["I/O thread"] == outs["step thread"]
+    dtype = engines["I/O thread"].engine.model_config.dtype
+    print(
+        f"SmolLM2-135M {str(dtype)[6:]}, {a.threads} threads, {a.beside} prompts of {a.tokens} tokens "
+        f"+ {out_tokens} output tokens per round, pool {num_blocks} blocks, tier: {a.medium}"
+    )
+    for name, llm in engines.items():
+        st = llm.stats()
+        io = llm.engine.core.executor.runner.offload_io
+        moved = st["offload_blocks_saved"] + st["offload_blocks_loaded"]
+        print(
+            f"  tier I/O on the {name:12s} round median {statistics.median(rounds[name]):6.2f} s "
+            f"({', '.join(f'{x:.2f}' for x in rounds[name])}); {st['offload_blocks_saved']} blocks saved, "
+            f"{st['offload_blocks_loaded']} loaded; step thread on the tier "
+            f"{io.seconds_on_step / max(moved, 1) * 1e3:.2f} ms per block (I/O {(io.store.seconds_saving + io.store.seconds_loading) / max(moved, 1) * 1e3:.2f})"
+        )
+    ratio = statistics.median(rounds["step thread"]) / statistics.median(rounds["I/O thread"])
+    print(f"  ratio (step thread / I/O thread): {ratio:.2f}x")
     for llm in engines.values():
         llm.shutdown()
     return 0

@@ -1,15 +1,26 @@
 """The runner half of the offload tier: one rank copies blocks of its KV shard out to its store
-and back, at the start of a step (before the step's tail copies and forward write any block).
+and back, overlapped with the step's forward.
 
-Saves go first: a block saved and a block loaded in one step may be the same block (evicted
-for the load's own target), and a hash saved in a step may be loaded in the same step. Block
-contents move through the KV hand-off's own copier (engine/kv_transfer/block_io.py).
+`OffloadIO.start` runs at the start of a step. It copies the blocks to save out of the pool on
+the step thread: that must be done before the step's tail copies and forward write any block (a
+saved block is being given to a new owner). Everything else goes to one I/O thread that runs
+while the forward does: the store writes of those copies (checksums, the file's pages), then
+the loads (read, check, copy into their blocks). The loads' blocks are fresh and unpublished:
+nothing in the step reads or writes them. `finish` waits for the thread at the end of the same
+step, so the scheduler's protocol is unchanged (a load is done when its step's output is), and a
+step that fails still waits before its blocks can be freed. One thread keeps the order: saves go
+before loads (a hash saved in a step may be loaded in the same step), and a slot's write before
+a later step's read of it. On CUDA the thread's copies run on a side stream that first waits
+for the step thread's stream. Block contents move through the KV hand-off's own copier
+(engine/kv_transfer/block_io.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -19,11 +30,10 @@ from engine.kv_transfer.block_io import read_blocks, write_blocks
 log = logging.getLogger(__name__)
 
 
-def save_blocks(kv_caches: list[torch.Tensor], store: OffloadStore, saves: list[tuple[int, int, int]]) -> None:
-    """(block id, slot, hash): this rank's shard of each block into its slot, one contiguous
-    write per block. A failed write leaves its slot unreadable (loaded as a miss)."""
+def save_blocks(store: OffloadStore, data: torch.Tensor, saves: list[tuple[int, int, int]]) -> None:
+    """(block id, slot, hash), the blocks' contents as `read_blocks` copied them: each into its
+    slot, one contiguous write per block. A failed write leaves its slot unreadable (a miss)."""
     t0 = time.perf_counter()
-    data = read_blocks(kv_caches, [b for b, _, _ in saves])  # (layers, 2, heads, n, block, width)
     for i, (_, slot, block_hash) in enumerate(saves):
         try:
             store.write(slot, block_hash, data[:, :, :, i])
@@ -53,3 +63,54 @@ def load_blocks(kv_caches: list[torch.Tensor], store: OffloadStore, loads: list[
         failed = [True] * len(loads)
     store.seconds_loading += time.perf_counter() - t0
     return failed
+
+
+class OffloadIO:
+    """One rank's offload I/O for its store. `background` False runs it all on the step thread
+    (the benchmark's comparison)."""
+
+    def __init__(self, store: OffloadStore, device: torch.device, background: bool = True) -> None:
+        self.store, self.device, self.background = store, device, background
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-io")
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.seconds_on_step = 0.0  # cumulative: the step thread's time on offload I/O (copy-out, waits)
+
+    def start(
+        self, kv_caches: list[torch.Tensor], saves: list[tuple[int, int, int]], loads: list[tuple[int, int, int]]
+    ) -> Future:
+        """Begin a step's saves and loads; `finish` the returned future before the step's output."""
+        t0 = time.perf_counter()
+        if not self.store.usable():  # its file removed or cut short: start an empty one
+            self.store.renew()
+        data = read_blocks(kv_caches, [b for b, _, _ in saves]) if saves else None
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.background:
+            fut = self._thread.submit(self._run, kv_caches, data, saves, loads)
+        else:
+            fut = Future()
+            fut.set_result(self._run(kv_caches, data, saves, loads))
+        self.seconds_on_step += time.perf_counter() - t0
+        return fut
+
+    def finish(self, fut: Future) -> list[bool]:
+        """Wait for the step's I/O; which of its loads failed on this rank."""
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            self.seconds_on_step += time.perf_counter() - t0
+
+    def _run(self, kv_caches, data, saves, loads) -> list[bool]:
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), ctx:
+            if saves:
+                save_blocks(self.store, data, saves)
+            failed = load_blocks(kv_caches, self.store, loads) if loads else []
+            if self._stream is not None:
+                self._stream.synchronize()
+        return failed
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.store.close()

@@ -17,7 +17,7 @@ import torch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import get_pp_group, get_tp_group, tp_all_reduce, tp_max
-from engine.kv_offload.rank_io import load_blocks, save_blocks
+from engine.kv_offload.rank_io import OffloadIO
 from engine.kv_offload.store import OffloadStore
 from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
@@ -85,6 +85,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._kv_buffer = None  # owns the CPU cache's memory
         self.offload: OffloadStore | None = None  # this rank's offload tier (engine/kv_offload/)
+        self.offload_io: OffloadIO | None = None  # its I/O, overlapped with each step's forward
         if self.device.type == "cpu":
             keep_step_memory()  # step activations reuse heap memory instead of fresh page faults
 
@@ -259,30 +260,45 @@ class ModelRunner:
                 self.tp.rank,
                 pin=self.device.type == "cuda",
             )
+            self.offload_io = OffloadIO(self.offload, self.device)
 
     def offload_slots(self) -> int:
         """Blocks the offload tier holds: its byte budget is the replica's, over all ranks."""
         return self.cc.kv_offload_bytes // (self.bytes_per_block() * self.tp.size)
 
     def close_offload(self) -> None:
-        if self.offload is not None:
-            self.offload.close()
-            self.offload = None
+        if self.offload_io is not None:
+            self.offload_io.close()
+            self.offload = self.offload_io = None
 
-    def _offload_io(self, so: SchedulerOutput) -> list[int]:
-        """The step's offload saves, then loads (engine/kv_offload/rank_io.py); the indices of
-        the loads that failed on any rank (every rank runs this with the same loads)."""
-        if not self.offload.usable():  # its file removed or cut short: start an empty one
-            self.offload.renew()
-        if so.kv_saves:
-            save_blocks(self.kv_caches, self.offload, so.kv_saves)
-        if not so.kv_loads:
-            return []
-        failed = load_blocks(self.kv_caches, self.offload, so.kv_loads)
-        if self.tp.size > 1:
-            flags = tp_all_reduce(torch.tensor(failed, dtype=torch.int32, device=self.device))
-            failed = (flags > 0).tolist()
-        return [i for i, f in enumerate(failed) if f]
+    @torch.inference_mode()
+    def launch_model(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput | None]:
+        """Enqueue the step's work and return what completes it. On CUDA the forward, logits and
+        sampling are queued without waiting, so the host can do other work (the last step's
+        text) while the GPU runs; the returned call waits for the sampled ids. Call it before
+        launching the next step: that step reads the tokens it records. The step's offload saves
+        and loads (engine/kv_offload/rank_io.py) run beside its forward and end before this
+        returns, a failed step's too."""
+        if not (so.kv_saves or so.kv_loads):
+            return self._launch(so)
+        io = self.offload_io.start(self.kv_caches, so.kv_saves, so.kv_loads)
+        try:
+            complete = self._launch(so)
+        finally:
+            failed = self.offload_io.finish(io)
+        if not failed:
+            return complete
+        flags = torch.tensor(failed, dtype=torch.int32)
+        if self.tp.size > 1:  # every rank ran the same loads; one that failed anywhere failed
+            flags = tp_all_reduce(flags.to(self.device))
+
+        def complete_with_loads() -> ModelRunnerOutput | None:
+            out = complete()
+            if out is not None:
+                out.kv_load_failed = [i for i, f in enumerate(flags.tolist()) if f > 0]
+            return out
+
+        return complete_with_loads
 
     def capture_cuda_graphs(self) -> None:
         """After init_kv_cache. Only the Triton paged kernel reads fixed-shape metadata; tp > 1
@@ -303,20 +319,15 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.launch_model(so)()
 
-    @torch.inference_mode()
-    def launch_model(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput | None]:
-        """Enqueue the step's work and return what completes it. On CUDA the forward, logits and
-        sampling are queued without waiting, so the host can do other work (the last step's
-        text) while the GPU runs; the returned call waits for the sampled ids. Call it before
-        launching the next step: that step reads the tokens it records."""
-        load_failed = self._offload_io(so) if so.kv_saves or so.kv_loads else []
+    def _launch(self, so: SchedulerOutput) -> Callable[[], ModelRunnerOutput | None]:
+        """The step itself: launch_model less the offload tier's I/O."""
         if so.kv_copies:  # tail hits: before any of this step's KV writes
             copy_slots(self.kv_caches, so.kv_copies)
         self.states.apply(so)
         if self.lora is not None and so.has_lora_changes:
             self.lora.apply(so)
         if so.is_empty:
-            return functools.partial(ModelRunnerOutput, kv_load_failed=load_failed) if self.samples else _none
+            return ModelRunnerOutput if self.samples else _none
         rids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in rids]
         counts = [so.num_scheduled_tokens[r] for r in rids]
@@ -370,7 +381,7 @@ class ModelRunner:
             return _none
         sts = [by_id[batch.request_ids[k]] for k in sample_idx]
         res = self._sample_positions(sts, logits[:num_sample_rows], so.grammar_bitmasks) if num_sample_rows else None
-        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp, pooled, load_failed)
+        return functools.partial(self._sampled_output, batch, sts, res, prompt_lp, pooled)
 
     def _stage_input(self, batch: StepBatch) -> torch.Tensor | None:
         """On a stage after the first: the previous stage's output for this step's tokens."""
@@ -442,11 +453,10 @@ class ModelRunner:
         res: SamplerOutput | None,
         prompt_lp,
         pooled: dict,
-        load_failed: list[int],
     ) -> ModelRunnerOutput:
         """The step's output once its sampled ids (and embeddings) are on the host (the one
         wait of a step)."""
-        out = ModelRunnerOutput(kv_load_failed=load_failed)
+        out = ModelRunnerOutput()
         out.embeddings = {r: v.tolist() for r, v in pooled.items()}
         if res is not None:
             tokens = res.sampled_token_ids.tolist()

@@ -7,10 +7,12 @@ prompt logprobs and speculative decoding give the tier-off outputs with the tier
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.kv_offload.store import OffloadStore
 from tests.tiny_llama import save_tiny_llama
 
 BS = 4
@@ -74,6 +76,41 @@ def test_evicted_prompt_comes_back_from_the_tier_bit_for_bit(tiny_dir):
     finally:
         llm.engine.shutdown()
         off.engine.shutdown()
+
+
+def test_loads_run_on_the_io_thread_beside_the_forward(tiny_dir, monkeypatch):
+    """A step that loads one request's blocks from the tier and runs another's forward: the
+    loads run on the rank's I/O thread while the step thread runs the forward. Each read here
+    waits for that forward to begin, and sees it begin (on the step thread it would wait in
+    vain: the forward starts after the step's loads). Outputs are the pool hit's, bit for bit."""
+    llm = make_llm(tiny_dir)
+    try:
+        pool_hit = (gen(llm, A), gen(llm, A))[1]
+        evict(llm)
+        runner = llm.engine.core.executor.runner
+        began = threading.Event()
+        reads = []  # (thread, whether the forward had begun) of each block read from the tier
+        forward, read = runner.model.forward, OffloadStore.read
+
+        def spied_forward(*args, **kwargs):
+            began.set()
+            return forward(*args, **kwargs)
+
+        def read_once_the_forward_began(store, *args):
+            reads.append((threading.current_thread().name, began.wait(timeout=5)))
+            return read(store, *args)
+
+        monkeypatch.setattr(runner.model, "forward", spied_forward)
+        monkeypatch.setattr(OffloadStore, "read", read_once_the_forward_began)
+        other = [(13 * i + 1) % 500 for i in range(12)]
+        _, got = llm.generate([{"prompt_token_ids": other}, {"prompt_token_ids": A}], PARAMS, use_tqdm=False)
+        c = got.outputs[0]
+        assert (c.token_ids, [(lp.logprob, lp.top) for lp in c.logprobs]) == pool_hit[:2]
+        assert got.num_cached_tokens == 28 and len(reads) == 7
+        assert all(name.startswith("kv-offload-io") and saw for name, saw in reads), reads
+        check_pool(llm)
+    finally:
+        llm.engine.shutdown()
 
 
 def test_tier_full_drops_the_oldest_and_recomputes_them(tiny_dir):
