@@ -55,14 +55,16 @@ class GrammarTokenizer:
             return self._ll
 
     def matcher(self, grammar: str, param: str, after: Sequence[int] = ()) -> GrammarMatcher:
-        """A matcher at the grammar's start (waiting for `after`, if any). A grammar whose first
-        mask runs out of llguidance's limits (`_limits`: lexer fuel and states, counted in work,
-        not time) is refused here: the step thread computes every mask of every step, so one
-        such request would slow every other (a regex `x{300000}` exhausts them in ~10-70 ms)."""
+        """A matcher at the grammar's start (waiting for `after`, if any). A grammar that runs
+        out of llguidance's limits (`_limits`: lexer fuel and expressions, counted in work, not
+        time, so the same on every machine) in its first mask or on the first token that mask
+        allows is refused here: the step thread computes every mask of every step (a regex
+        `x{300000}` takes ~60 ms for its first mask, then fails on its first token). One that
+        runs out later fails its own request (`error`)."""
         m = GrammarMatcher(self.get(), grammar, self.vocab_size, param, after)
-        m.bitmasks([])
-        if m.error is not None:
-            raise InvalidRequestError(f"{param}: too costly to follow: {m.error}", param=param)
+        error = m.error or m.first_token_error()
+        if error is not None:
+            raise InvalidRequestError(f"{param}: too costly to follow: {error}", param=param)
         return m
 
 
@@ -101,6 +103,21 @@ class GrammarMatcher:
     def is_stopped(self) -> bool:
         """Nothing may follow (the grammar ended, or its end token was consumed)."""
         return not self.waiting and self._m.is_stopped()
+
+    def first_token_error(self) -> str | None:
+        """Why the grammar fails on the first token its first mask allows (on a copy); None if
+        it takes it, or allows none."""
+        mask = self.bitmasks([])[0]
+        words = torch.nonzero(mask)
+        if not len(words):
+            return None
+        w = int(words[0])
+        bits = int(mask[w]) & 0xFFFFFFFF
+        token = 32 * w + (bits & -bits).bit_length() - 1
+        probe = self._m.deep_copy()
+        if probe.consume_token(token) or not probe.is_error():
+            return None
+        return f"the output's grammar failed: {probe.get_error().strip().splitlines()[0][:300]}"
 
     def accept(self, token_id: int) -> bool:
         """Consume one emitted token; False (and an error state) if the grammar refuses it.
