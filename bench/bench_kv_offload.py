@@ -13,11 +13,12 @@ own cost is printed too: the seconds its ranks spent saving and loading, per blo
     python -m bench.bench_kv_offload --beside 6 [--tokens 400 --rounds 3]
 
 The tier's I/O beside other requests' steps: two engines with the tier on, one whose ranks run
-its saves and loads on their I/O thread beside the step's forward (as served), one on the step
-thread before the forward. Per round, `--beside` prompts of `--tokens` tokens in one batch (32
-output tokens each) through a pool that holds about half of them, so every round saves and loads
-blocks while other requests prefill and decode. Medians of the round times (the first round,
-which only saves, left out) and the step thread's seconds on the tier per block moved.
+its saves and loads on their I/O thread beside the step's forward (CUDA's default), one on the
+step thread before the forward (a CPU's). Per round, `--beside` prompts of `--tokens` tokens (32
+output tokens each) come back through a pool that holds about half of them, while `--streams`
+fresh requests decode 128 tokens each, so every round saves and loads blocks while other
+requests prefill and decode. Medians of the round times (the first round left out) and the step
+thread's seconds on the tier per block moved.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--medium", default="disk", choices=["disk", "host"])
     p.add_argument("--offload-bytes", type=int, default=512 << 20)
     p.add_argument("--beside", type=int, default=0, help="the I/O-thread comparison with this many prompts")
+    p.add_argument("--streams", type=int, default=4, help="--beside: streams decoding through each round")
+    p.add_argument("--cold", action="store_true", help="--beside: the disk tier's pages dropped before each round")
     a = p.parse_args(argv)
     if a.beside:
         return beside(a)
@@ -100,20 +103,29 @@ def beside(a) -> int:
 
     block, out_tokens = 16, 32
     per_prompt = -(-(a.tokens + out_tokens) // block)
-    num_blocks = per_prompt * a.beside // 2 + 1  # about half the batch: each round evicts the rest
+    # About half the returning prompts besides the streams: each round evicts the rest.
+    num_blocks = per_prompt * a.beside // 2 + a.streams * -(-(16 + 4 * out_tokens) // block) + 1
     common = dict(dtype=a.dtype, num_threads=a.threads, block_size=block, num_blocks=num_blocks)
-    common.update(kv_offload_bytes=a.offload_bytes, kv_offload_medium=a.medium, max_num_seqs=a.beside)
+    common.update(kv_offload_bytes=a.offload_bytes, kv_offload_medium=a.medium, max_num_seqs=a.beside + a.streams)
     engines = {"I/O thread": LLM(**common), "step thread": LLM(**common)}
-    engines["step thread"].engine.core.executor.runner.offload_io.background = False
+    for name, llm in engines.items():  # each way, whatever this device's default is
+        llm.engine.core.executor.runner.offload_io.background = name == "I/O thread"
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(a.tokens)]} for _ in range(a.beside)]
-    params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True)] * len(prompts)
+    # Streams that run through each round beside the returning prompts: fresh short prompts with
+    # long outputs, admitted first, so the tier's loads and saves share steps with their work.
+    params += [SamplingParams(temperature=0, max_tokens=4 * out_tokens, ignore_eos=True)] * a.streams
     rounds: dict[str, list[float]] = {k: [] for k in engines}
     outs: dict[str, list] = {}
     for r in range(a.rounds + 1):
         for name, llm in engines.items():
+            if a.cold:
+                llm.engine.core.executor.runner.offload.drop_cached_pages()
+            streams = [{"prompt_token_ids": [rng.randrange(1000, 40000) for _ in range(16)]} for _ in range(a.streams)]
             t = time.perf_counter()
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            done = llm.generate(streams + prompts, params[len(prompts) :] + params[: len(prompts)], use_tqdm=False)
+            got = [o.outputs[0].token_ids for o in done[a.streams :]]
             if r:
                 rounds[name].append(time.perf_counter() - t)
             assert outs.setdefault(name, got) == got, name  # every round the same tokens
@@ -121,7 +133,7 @@ def beside(a) -> int:
     dtype = engines["I/O thread"].engine.model_config.dtype
     print(
         f"SmolLM2-135M {str(dtype)[6:]}, {a.threads} threads, {a.beside} prompts of {a.tokens} tokens "
-        f"+ {out_tokens} output tokens per round, pool {num_blocks} blocks, tier: {a.medium}"
+        f"+ {out_tokens} output tokens per round, pool {num_blocks} blocks, tier: {a.medium}{' (cold)' if a.cold else ''}"
     )
     for name, llm in engines.items():
         st = llm.stats()

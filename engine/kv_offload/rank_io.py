@@ -1,18 +1,23 @@
 """The runner half of the offload tier: one rank copies blocks of its KV shard out to its store
-and back, overlapped with the step's forward.
+and back, at the start of each step that carries saves or loads.
 
-`OffloadIO.start` runs at the start of a step. It copies the blocks to save out of the pool on
-the step thread: that must be done before the step's tail copies and forward write any block (a
-saved block is being given to a new owner). Everything else goes to one I/O thread that runs
-while the forward does: the store writes of those copies (checksums, the file's pages), then
-the loads (read, check, copy into their blocks). The loads' blocks are fresh and unpublished:
-nothing in the step reads or writes them. `finish` waits for the thread at the end of the same
-step, so the scheduler's protocol is unchanged (a load is done when its step's output is), and a
-step that fails still waits before its blocks can be freed. One thread keeps the order: saves go
-before loads (a hash saved in a step may be loaded in the same step), and a slot's write before
-a later step's read of it. On CUDA the thread's copies run on a side stream that first waits
-for the step thread's stream. Block contents move through the KV hand-off's own copier
-(engine/kv_transfer/block_io.py).
+`OffloadIO.start` copies the blocks to save out of the pool on the step thread: that must be
+done before the step's tail copies and forward write any block (a saved block is being given to
+a new owner). The rest, the store writes of those copies (checksums, the file's pages) and then
+the loads (read, check, copy into their blocks), runs on one I/O thread beside the step's
+forward where that pays, else on the step thread before it. The loads' blocks are fresh and
+unpublished: nothing in the step reads or writes them. `finish` waits for the thread at the end
+of the same step, so the scheduler's protocol is the same either way (a load is done when its
+step's output is), and a step that fails still waits before its blocks can be freed. One thread
+keeps the order: saves go before loads (a hash saved in a step may be loaded in the same step),
+and a slot's write before a later step's read of it.
+
+Where it pays: on CUDA, the thread's copies run on a side stream (which first waits for the
+step thread's stream), so they overlap the GPU's forward. On a CPU the I/O is CPU work that
+competes with the forward for the same cores: measured on a 2-core EPYC with decoding streams
+beside the tier's traffic (`python -m bench.bench_kv_offload --beside 6`), the I/O thread cut
+the step thread's time on the tier 4x but made the run 4% slower, so CPUs run it on the step
+thread. Block contents move through the KV hand-off's own copier (engine/kv_transfer/block_io.py).
 """
 
 from __future__ import annotations
@@ -66,11 +71,12 @@ def load_blocks(kv_caches: list[torch.Tensor], store: OffloadStore, loads: list[
 
 
 class OffloadIO:
-    """One rank's offload I/O for its store. `background` False runs it all on the step thread
-    (the benchmark's comparison)."""
+    """One rank's offload I/O for its store. `background`: on the I/O thread (None: on CUDA only,
+    where it pays; the module's docstring)."""
 
-    def __init__(self, store: OffloadStore, device: torch.device, background: bool = True) -> None:
-        self.store, self.device, self.background = store, device, background
+    def __init__(self, store: OffloadStore, device: torch.device, background: bool | None = None) -> None:
+        self.store, self.device = store, device
+        self.background = device.type == "cuda" if background is None else background
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-io")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.seconds_on_step = 0.0  # cumulative: the step thread's time on offload I/O (copy-out, waits)

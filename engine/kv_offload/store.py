@@ -127,6 +127,15 @@ class OffloadStore:
         dst.copy_(payload)
         return True
 
+    def drop_cached_pages(self) -> None:
+        """Write the disk tier back and let the kernel drop its pages from memory, so the next
+        reads come from the device (a tier larger than memory; bench/bench_kv_offload.py)."""
+        if self._mm is None:
+            return
+        self._mm.flush()
+        self._mm.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def _release(self) -> None:
         """Unmap and close the file; remove it unless it was replaced by another file."""
         self.buf = torch.empty(0, dtype=torch.uint8)

@@ -13,9 +13,9 @@ like a remote prefill's: engine/kv_transfer/awaiting_kv.py) and waits while the 
 carries (slot, block id, hash) and every rank copies the bytes in; the runner reports the loads
 that failed on any rank. Then the loaded blocks are published in the pool's hash map and the
 request is scheduled as a prefix hit; a failed load drops the hash and its block is recomputed.
-The wait costs one step: the ranks run the loads beside that step's forward (rank_io.py). Its lookup is counted when it
-is admitted after the load: prefix_cache_hits counts every hit, whatever tier it came from, and
-prefix_cache_hits_offload the part loaded from this one.
+The wait costs one step (on CUDA the loads run beside its forward: rank_io.py). Its lookup is
+counted when it is admitted after the load: prefix_cache_hits counts every hit, whatever tier it
+came from, and prefix_cache_hits_offload the part loaded from this one.
 """
 
 from __future__ import annotations

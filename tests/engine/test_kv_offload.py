@@ -79,15 +79,18 @@ def test_evicted_prompt_comes_back_from_the_tier_bit_for_bit(tiny_dir):
 
 
 def test_loads_run_on_the_io_thread_beside_the_forward(tiny_dir, monkeypatch):
-    """A step that loads one request's blocks from the tier and runs another's forward: the
-    loads run on the rank's I/O thread while the step thread runs the forward. Each read here
-    waits for that forward to begin, and sees it begin (on the step thread it would wait in
-    vain: the forward starts after the step's loads). Outputs are the pool hit's, bit for bit."""
+    """The I/O thread (CUDA's way, rank_io.py; a CPU runs the I/O on the step thread): a step
+    that loads one request's blocks from the tier and runs another's forward runs the loads on
+    the rank's I/O thread while the step thread runs the forward. Each read here waits for that
+    forward to begin, and sees it begin (on the step thread it would wait in vain: the forward
+    starts after the step's loads). Outputs are the pool hit's, bit for bit."""
     llm = make_llm(tiny_dir)
     try:
+        runner = llm.engine.core.executor.runner
+        assert not runner.offload_io.background  # a CPU's default
+        runner.offload_io.background = True
         pool_hit = (gen(llm, A), gen(llm, A))[1]
         evict(llm)
-        runner = llm.engine.core.executor.runner
         began = threading.Event()
         reads = []  # (thread, whether the forward had begun) of each block read from the tier
         forward, read = runner.model.forward, OffloadStore.read
