@@ -55,6 +55,10 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         copy_into(param, narrow(w, 0, self.tp_rank * size, size))
 
+    def shard_rows(self, shard_id: int | str | None = None) -> tuple[int, int]:
+        """(first row, rows) of a fused piece in this rank's output (None: all of it)."""
+        return 0, self.output_size_per_partition
+
     def pack_weights(self) -> None:
         """After loading: the weight in oneDNN's layout (CPU; see packed_gemm)."""
         self.weight = pack_weight(self.weight)
@@ -82,9 +86,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: int | None = None) -> None:
         if shard_id is None:
             return super().weight_loader(param, w)
-        size = self.output_sizes[shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        offset, size = self.shard_rows(shard_id)
         copy_rows_into(param, offset, narrow(w, 0, self.tp_rank * size, size))
+
+    def shard_rows(self, shard_id: int | None = None) -> tuple[int, int]:
+        if shard_id is None:
+            return super().shard_rows()
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, self.output_sizes[shard_id] // self.tp_size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -116,14 +124,16 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, w: Weight, shard_id: str | None = None) -> None:
         if shard_id is None:
             return super().weight_loader(param, w)
-        hd, nq, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        if shard_id == "q":
-            offset, size, start = 0, nq * hd, self.tp_rank * nq * hd
-        else:
-            kv_index = self.tp_rank // self.kv_replicas
-            offset = nq * hd + (0 if shard_id == "k" else nkv * hd)
-            size, start = nkv * hd, kv_index * nkv * hd
+        offset, size = self.shard_rows(shard_id)
+        # This rank's heads: q's own, and the KV heads it shares with tp/num_kv_heads ranks.
+        start = self.tp_rank * size if shard_id == "q" else (self.tp_rank // self.kv_replicas) * size
         copy_rows_into(param, offset, narrow(w, 0, start, size))
+
+    def shard_rows(self, shard_id: str | None = None) -> tuple[int, int]:
+        if shard_id is None:
+            return super().shard_rows()
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

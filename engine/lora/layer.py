@@ -1,17 +1,18 @@
 """One linear's LoRA slots and the delta it adds: y += (x @ A_s^T) @ B_s^T for the rows of slot s.
 
 The slots are preallocated stacked tensors, so loading an adapter is a copy and a step never
-allocates them: A [max_loras, pieces x max_lora_rank, in] and B^T [max_loras, pieces x
-max_lora_rank, out] (B stored transposed: both matmuls then read a slot's leading rows, contiguous).
-A fused linear (q/k/v, gate/up) holds its pieces' ranks side by side: piece p's A rows and B^T
-rows are its own columns of the low-rank space, and its B^T is zero outside the piece's output
-columns, so each piece's delta lands in its own output slice with one matmul pair per adapter.
-A slot uses only its adapter's ranks (`width`), not max_lora_rank.
+allocates them: A [max_loras, pieces x max_lora_rank, in] and, per piece, B^T [max_loras,
+max_lora_rank, the piece's output columns] (B stored transposed: both matmuls then read a slot's
+leading rows, contiguous). A fused linear (q/k/v, gate/up) holds its pieces' A rows in blocks of
+max_lora_rank, so one matmul gives every piece's low-rank activations, and each piece's B only
+over its own output columns (no zeros for the other pieces': at one row per adapter a step
+reads every adapter's weights once, so stored bytes are step time). A slot uses only its
+adapter's ranks, not max_lora_rank.
 
 Grouped by adapter (Punica's SGMV, in PyTorch): one matmul pair per adapter in the step over its
 rows (a slice, or gathered by index and added back); from GROUPED_MIN_ADAPTERS adapters in a step
-on (engine/lora/batch.py), torch's grouped_mm over the rows sorted by slot does the pairs in two
-calls. Measured on a 2-core EPYC, float32, one
+on (engine/lora/batch.py), torch's grouped_mm over the rows sorted by slot does them in one call
+for A and one per piece for B. Measured on a 2-core EPYC, float32, one
 thread, q/k/v of SmolLM2 (576 -> 1728) at rank 16: 16 rows over 1/4/16 adapters 0.15/0.33/1.8 ms
 grouped against 1.9/1.7/2.2 ms for a per-row gather of A and B with bmm, and 512 rows over 4
 adapters 3.6 ms against 81 ms: grouped everywhere. A dense pass over every slot with a per-row
@@ -48,58 +49,76 @@ class LoRASlots:
         self.shard_ids = shard_ids  # the base loader's shard id of each piece (None: not fused)
         self.row_parallel = hasattr(base, "input_size_per_partition")
         in_local = base.input_size_per_partition if self.row_parallel else base.input_size
-        out_local = base.output_size if self.row_parallel else base.output_size_per_partition
-        cols = len(shard_ids) * max_rank
-        self.A = torch.zeros(max_loras, cols, in_local, dtype=dtype, device=device)
-        self.Bt = torch.zeros(max_loras, cols, out_local, dtype=dtype, device=device)
-        self.width = [0] * max_loras  # low-rank columns slot s uses (0: no delta)
+        self.max_rank = max_rank
+        # Each piece's (first column, columns) in this rank's output.
+        self.outs = [(0, base.output_size)] if self.row_parallel else [base.shard_rows(s) for s in shard_ids]
+        self.A = torch.zeros(max_loras, len(shard_ids) * max_rank, in_local, dtype=dtype, device=device)
+        self.Bt = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for _, n in self.outs]
+        self.ranks = [[0] * len(shard_ids) for _ in range(max_loras)]  # each piece's rank in slot s (0: none)
 
     def set_slot(self, slot: int, pieces: dict[int | str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """`pieces`: shard id -> (A [r, in], B [out, r]) of the whole (unsharded) module, B scaled."""
         self.clear_slot(slot)
-        off = 0
-        for shard in self.shard_ids:
+        for p, shard in enumerate(self.shard_ids):
             if shard not in pieces:
                 continue
             a, b = pieces[shard]
             r = a.shape[0]
-            a_view, bt_view = self.A[slot, off : off + r], self.Bt[slot, off : off + r]
+            a_view, bt_view = self.A[slot, p * self.max_rank : p * self.max_rank + r], self.Bt[p][slot, :r]
             if self.row_parallel:
                 self.base.weight_loader(a_view, a)  # this rank's input columns
                 bt_view.copy_(b.t())
             else:
                 a_view.copy_(a)
-                self.base.weight_loader(bt_view.t(), b, shard)  # this rank's output rows, as the weight's
-            off += r
-        self.width[slot] = off
+                # This rank's output rows of the piece, as its loader places them in the weight.
+                rows = torch.zeros(self.base.output_size_per_partition, r, dtype=b.dtype, device=b.device)
+                self.base.weight_loader(rows, b, shard)
+                first, n = self.outs[p]
+                bt_view.copy_(rows[first : first + n].t())
+            self.ranks[slot][p] = r
 
     def clear_slot(self, slot: int) -> None:
-        """Zeroed, not only marked unused: the grouped form multiplies every slot's columns up to
-        the widest in the step, and a zero B^T makes those past a slot's width add exactly 0
-        (fused: B^T is zero outside each piece's output columns too)."""
-        self.width[slot] = 0
+        """Zeroed, not only marked unused: the grouped form multiplies every slot's ranks up to
+        the largest in the step, and zero rows past a slot's rank add exactly 0."""
+        self.ranks[slot] = [0] * len(self.shard_ids)
         self.A[slot].zero_()
-        self.Bt[slot].zero_()
+        for bt in self.Bt:
+            bt[slot].zero_()
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += the delta of each row's adapter (in place; rows of the base model unchanged)."""
         batch = get_lora_batch()
         if batch is None:
             return
+        R = self.max_rank
         if batch.order is not None:
-            w = max(self.width[slot] for slot in batch.slots)
-            if w == 0:
+            widths = [max(self.ranks[slot][p] for slot in batch.slots) for p in range(len(self.outs))]
+            if not any(widths):
                 return
-            # Rows sorted by slot, one grouped matmul pair over every slot (empty runs included).
-            t = F.grouped_mm(x.index_select(0, batch.order), self.A[:, :w].transpose(1, 2), offs=batch.offs)
-            y.index_add_(0, batch.order, F.grouped_mm(t, self.Bt[:, :w], offs=batch.offs))
+            # Rows sorted by slot: one grouped matmul over every slot's A (empty runs included),
+            # then one per piece over its own B^T.
+            last = max(p * R + w for p, w in enumerate(widths) if w)
+            t = F.grouped_mm(x.index_select(0, batch.order), self.A[:, :last].transpose(1, 2), offs=batch.offs)
+            for p, (first, n) in enumerate(self.outs):
+                if widths[p]:
+                    d = F.grouped_mm(
+                        t[:, p * R : p * R + widths[p]].contiguous(), self.Bt[p][:, : widths[p]], offs=batch.offs
+                    )
+                    y[:, first : first + n].index_add_(0, batch.order, d)
             return
         for slot, rows in batch.groups:
-            w = self.width[slot]
-            if w == 0:
+            ranks = self.ranks[slot]
+            if not any(ranks):
                 continue
-            a, bt = self.A[slot, :w], self.Bt[slot, :w]
-            if isinstance(rows, slice):
-                y[rows] += (x[rows] @ a.t()) @ bt
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ bt)
+            last = max(p * R + r for p, r in enumerate(ranks) if r)
+            xr = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
+            t = xr @ self.A[slot, :last].t()
+            for p, (first, n) in enumerate(self.outs):
+                r = ranks[p]
+                if not r:
+                    continue
+                d = t[:, p * R : p * R + r] @ self.Bt[p][slot, :r]
+                if isinstance(rows, slice):
+                    y[rows, first : first + n] += d
+                else:
+                    y[:, first : first + n].index_add_(0, rows, d)
