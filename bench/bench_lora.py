@@ -7,6 +7,10 @@ format (no training; their values do not change the work). Greedy, ignore_eos, o
 
     python -m bench.bench_lora                  # SmolLM2-135M, float32, rank 16, batch 16
     python -m bench.bench_lora --adapters 1 4 16 --rank 8 --threads 2
+    python -m bench.bench_lora --shape llama-1b --dtype bfloat16     # a random Llama (bench/random_llama.py)
+
+At one row per adapter a step reads every adapter's weights once, beside the base weights the
+rows share, so the ratio's ceiling is base bytes / (base + adapter bytes); the run prints it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
     (path / "adapter_config.json").write_text(json.dumps(cfg))
 
 
+def weight_bytes(hf_config, rank: int, element_size: int) -> tuple[int, int]:
+    """Bytes of the weights a decode step reads (the layers' linears and the LM head), and of one
+    rank-`rank` adapter on every targeted linear."""
+    shapes = module_shapes(hf_config)
+    layers = hf_config.num_hidden_layers
+    base = layers * sum(fin * fout for fin, fout in shapes.values()) + hf_config.vocab_size * hf_config.hidden_size
+    adapter = layers * sum(rank * (fin + fout) for fin, fout in shapes.values())
+    return base * element_size, adapter * element_size
+
+
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: list) -> float:
     """Output tokens/s of one batch (after a warm-up run of the same batch)."""
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
@@ -52,6 +66,7 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: list)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
+    ap.add_argument("--shape", default=None, help="a random Llama of this bench/random_llama.py shape")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--rank", type=int, default=16)
@@ -60,6 +75,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
+    tmp_model = None
+    if a.shape:
+        from bench.random_llama import save_random_llama
+
+        tmp_model = tempfile.TemporaryDirectory()
+        save_random_llama(tmp_model.name, a.shape, getattr(torch, a.dtype), device="cpu")
+        a.model = tmp_model.name
     common = dict(dtype=a.dtype, num_threads=a.threads, kv_cache_memory_bytes=256 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     base = LLM(a.model, **common)
@@ -95,6 +117,11 @@ def main() -> None:
     for k, v in results.items():
         print(f"{k:>16}: {v:7.1f} tok/s  {v / ref:.2f}x base")
     print(f"TTFT, adapter in its slot: {ttft['warm'] * 1e3:.0f} ms; read from disk: {ttft['cold'] * 1e3:.0f} ms")
+    base_bytes, adapter_bytes = weight_bytes(hf_config, a.rank, getattr(torch, a.dtype).itemsize)
+    print(
+        f"bytes a decode step reads: base {base_bytes / 1e6:.0f} MB, each adapter {adapter_bytes / 1e6:.1f} MB "
+        f"(as {a.dtype}); ceiling at {most} adapters: {base_bytes / (base_bytes + most * adapter_bytes):.2f}x base"
+    )
 
 
 if __name__ == "__main__":

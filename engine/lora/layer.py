@@ -9,16 +9,14 @@ over its own output columns (no zeros for the other pieces': at one row per adap
 reads every adapter's weights once, so stored bytes are step time). A slot uses only its
 adapter's ranks, not max_lora_rank.
 
-Grouped by adapter (Punica's SGMV, in PyTorch): one matmul pair per adapter in the step over its
-rows (a slice, or gathered by index and added back); from GROUPED_MIN_ADAPTERS adapters in a step
-on (engine/lora/batch.py), torch's grouped_mm over the rows sorted by slot does them in one call
-for A and one per piece for B. Measured on a 2-core EPYC, float32, one
-thread, q/k/v of SmolLM2 (576 -> 1728) at rank 16: 16 rows over 1/4/16 adapters 0.15/0.33/1.8 ms
-grouped against 1.9/1.7/2.2 ms for a per-row gather of A and B with bmm, and 512 rows over 4
-adapters 3.6 ms against 81 ms: grouped everywhere. A dense pass over every slot with a per-row
-mask (two matmuls per linear whatever the adapters) was 1.3-4.3x slower than grouped at 8-64
-rows over 4-16 slots (rank 16 x 3 pieces). Per-op dispatch, not arithmetic, is what a step's
-deltas cost at a few rows (one matmul pair per adapter per linear per layer).
+Three forms, chosen per step by the rows and adapters in it (engine/lora/batch.py, with the
+measurements): per adapter, one matmul for A and one per piece for B over the adapter's rows (a
+slice, or gathered by index and added back; one adapter, or few with many rows); gathered, each
+row's A and B picked by its slot and one bmm per piece over every row (decode sizes, two
+adapters or more); grouped (Punica's SGMV, in PyTorch), torch's grouped_mm over the rows sorted by
+slot, one call for A and one per piece for B (many rows over GROUPED_MIN_ADAPTERS adapters or
+more). A dense pass over every slot with a per-row mask (two matmuls per linear whatever the
+adapters) was 1.3-4.3x slower than grouped at 8-64 rows over 4-16 slots (rank 16 x 3 pieces).
 
 Tensor parallel, following the base layer's split: a column-parallel linear keeps A whole and
 this rank's output columns of B (its own weight loader cuts them, so fused q/k/v keeps its heads);
@@ -32,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.lora.batch import get_lora_batch
+from engine.lora.batch import LoRABatch, get_lora_batch
 
 
 class LoRASlots:
@@ -90,22 +88,39 @@ class LoRASlots:
         batch = get_lora_batch()
         if batch is None:
             return
+        if batch.order is None and batch.rows is None:
+            self._add_per_adapter(x, y, batch)
+            return
         R = self.max_rank
-        if batch.order is not None:
-            widths = [max(self.ranks[slot][p] for slot in batch.slots) for p in range(len(self.outs))]
-            if not any(widths):
-                return
-            # Rows sorted by slot: one grouped matmul over every slot's A (empty runs included),
-            # then one per piece over its own B^T.
-            last = max(p * R + w for p, w in enumerate(widths) if w)
-            t = F.grouped_mm(x.index_select(0, batch.order), self.A[:, :last].transpose(1, 2), offs=batch.offs)
+        widths = [max(self.ranks[slot][p] for slot in batch.slots) for p in range(len(self.outs))]
+        if not any(widths):
+            return
+        last = max(p * R + w for p, w in enumerate(widths) if w)
+        if batch.rows is not None:
+            # Each row's own A and B, gathered by its slot: one bmm for A, one per piece for B.
+            t = torch.bmm(
+                x.index_select(0, batch.rows).unsqueeze(1),
+                self.A[:, :last].index_select(0, batch.row_slots).transpose(1, 2),
+            )
             for p, (first, n) in enumerate(self.outs):
                 if widths[p]:
-                    d = F.grouped_mm(
-                        t[:, p * R : p * R + widths[p]].contiguous(), self.Bt[p][:, : widths[p]], offs=batch.offs
-                    )
-                    y[:, first : first + n].index_add_(0, batch.order, d)
+                    bt = self.Bt[p][:, : widths[p]].index_select(0, batch.row_slots)
+                    d = torch.bmm(t[:, :, p * R : p * R + widths[p]], bt).squeeze(1)
+                    y[:, first : first + n].index_add_(0, batch.rows, d)
             return
+        # Rows sorted by slot: one grouped matmul over every slot's A (empty runs included), then
+        # one per piece over its own B^T.
+        t = F.grouped_mm(x.index_select(0, batch.order), self.A[:, :last].transpose(1, 2), offs=batch.offs)
+        for p, (first, n) in enumerate(self.outs):
+            if widths[p]:
+                d = F.grouped_mm(
+                    t[:, p * R : p * R + widths[p]].contiguous(), self.Bt[p][:, : widths[p]], offs=batch.offs
+                )
+                y[:, first : first + n].index_add_(0, batch.order, d)
+
+    def _add_per_adapter(self, x: torch.Tensor, y: torch.Tensor, batch: LoRABatch) -> None:
+        """One matmul for A and one per piece for B, for each adapter over its rows."""
+        R = self.max_rank
         for slot, rows in batch.groups:
             ranks = self.ranks[slot]
             if not any(ranks):

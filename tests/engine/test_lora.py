@@ -1,5 +1,5 @@
 """Multi-LoRA in the engine (engine/lora/): four random peft adapters of different ranks and
-targets and the base model in one batch (looped per adapter and grouped), token for token and logprob for logprob against
+targets and the base model in one batch (per adapter, gathered and grouped), token for token and logprob for logprob against
 transformers + peft in float32; the prefix cache rooted by the adapter; slots, the host LRU,
 load and unload; adapters refused with the reason."""
 
@@ -12,6 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterNotFoundError, InvalidRequestError
+from engine.lora.batch import LoRABatch
 from engine.lora.request import LoRARequest
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.lora_models import ADAPTERS, load_base, save_adapter, save_tiny_llama
@@ -70,12 +71,20 @@ MODES = {"plain": {}, "ngram": {"speculative_config": "ngram:3"}, "preempt": {"n
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_mixed_batch_matches_peft(lora_setup, mode, monkeypatch):
     """Four adapters and the base in one batch (interleaved, prefill chunks beside decode rows):
-    steps with all four compute the deltas with grouped matmuls, the others per adapter."""
+    steps of many rows over all four compute the deltas with grouped matmuls, decode steps over
+    two or more gather each row's weights, the others go per adapter (engine/lora/batch.py)."""
     base_dir, paths, expected = lora_setup
     loras = {name: LoRARequest(name, i + 1, str(paths[name])) for i, name in enumerate(ADAPTERS)}
-    grouped = []
-    real = torch.nn.functional.grouped_mm
-    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda *a, **k: grouped.append(1) or real(*a, **k))
+    forms = []  # the form of each step's LoRA batch
+    build = LoRABatch.build
+
+    def spied_build(*args, **kwargs):
+        b = build(*args, **kwargs)
+        if b is not None:
+            forms.append("gathered" if b.rows is not None else "grouped" if b.order is not None else "per adapter")
+        return b
+
+    monkeypatch.setattr(LoRABatch, "build", staticmethod(spied_build))
     llm = _llm(base_dir, max_loras=len(ADAPTERS), **MODES[mode])
     order = [(name, j) for j in range(len(PROMPTS)) for name in [*ADAPTERS, None]]
     outs = llm.generate(
@@ -90,8 +99,9 @@ def test_mixed_batch_matches_peft(lora_setup, mode, monkeypatch):
     assert stats["num_lora_loads"] == len(ADAPTERS)
     if mode == "plain":
         assert stats["num_steps"] < 3 * MAX_TOKENS  # one batch: every request in every step
-        assert grouped, "no step ran the grouped form"
+        assert {"grouped", "gathered"} <= set(forms), forms
     if mode == "preempt":
+        assert "per adapter" in forms, forms
         assert stats["num_preemptions"] > 0
     if mode == "ngram":
         assert stats["spec_num_draft_tokens"] > 0
