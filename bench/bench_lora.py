@@ -10,7 +10,7 @@ format (no training; their values do not change the work). Greedy, ignore_eos, o
     python -m bench.bench_lora --shape llama-1b --dtype bfloat16     # a random Llama (bench/random_llama.py)
 
 At one row per adapter a step reads every adapter's weights once, beside the base weights the
-rows share, so the ratio's ceiling is base bytes / (base + adapter bytes); the run prints it.
+rows share; the run prints both.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main() -> None:
     base_bytes, adapter_bytes = weight_bytes(hf_config, a.rank, getattr(torch, a.dtype).itemsize)
     print(
         f"bytes a decode step reads: base {base_bytes / 1e6:.0f} MB, each adapter {adapter_bytes / 1e6:.1f} MB "
-        f"(as {a.dtype}); ceiling at {most} adapters: {base_bytes / (base_bytes + most * adapter_bytes):.2f}x base"
+        f"(as {a.dtype}): {most} adapters add {most * adapter_bytes / base_bytes:.0%} to the base's"
     )
 
 

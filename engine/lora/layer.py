@@ -9,14 +9,16 @@ over its own output columns (no zeros for the other pieces': at one row per adap
 reads every adapter's weights once, so stored bytes are step time). A slot uses only its
 adapter's ranks, not max_lora_rank.
 
-Three forms, chosen per step by the rows and adapters in it (engine/lora/batch.py, with the
-measurements): per adapter, one matmul for A and one per piece for B over the adapter's rows (a
-slice, or gathered by index and added back; one adapter, or few with many rows); gathered, each
-row's A and B picked by its slot and one bmm per piece over every row (decode sizes, two
-adapters or more); grouped (Punica's SGMV, in PyTorch), torch's grouped_mm over the rows sorted by
-slot, one call for A and one per piece for B (many rows over GROUPED_MIN_ADAPTERS adapters or
-more). A dense pass over every slot with a per-row mask (two matmuls per linear whatever the
-adapters) was 1.3-4.3x slower than grouped at 8-64 rows over 4-16 slots (rank 16 x 3 pieces).
+Four forms, chosen per step by the rows and adapters in it (engine/lora/batch.py, with the
+measurements): per row in one C++ call per linear that reads each row's A and B in place (Punica's
+BGMV: engine/kernels/cpu/lora_bgmv.cpp, where the CPU ops are built; up to 64 rows per adapter);
+per adapter, one matmul for A and one per piece for B over the adapter's rows (a slice, or
+gathered by index and added back); gathered, each row's A and B copied out by its slot into one
+bmm per piece over every row (decode sizes, two adapters or more); grouped (Punica's SGMV, in
+PyTorch), torch's grouped_mm over the rows sorted by slot, one call for A and one per piece for
+B (many rows over GROUPED_MIN_ADAPTERS adapters or more). A dense pass over every slot with a
+per-row mask (two matmuls per linear whatever the adapters) was 1.3-4.3x slower than grouped at
+8-64 rows over 4-16 slots (rank 16 x 3 pieces).
 
 Tensor parallel, following the base layer's split: a column-parallel linear keeps A whole and
 this rank's output columns of B (its own weight loader cuts them, so fused q/k/v keeps its heads);
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.cpu_ops import cpu_ops_for
 from engine.lora.batch import LoRABatch, get_lora_batch
 
 
@@ -97,7 +100,14 @@ class LoRASlots:
             return
         last = max(p * R + w for p, w in enumerate(widths) if w)
         if batch.rows is not None:
-            # Each row's own A and B, gathered by its slot: one bmm for A, one per piece for B.
+            # Each row's own A and B: in one C++ call (lora_bgmv.cpp) reading them in place, else
+            # gathered by slot into one bmm for A and one per piece for B.
+            ops = cpu_ops_for(x)
+            firsts = [first for first, _ in self.outs]
+            if ops is not None and ops.lora_bgmv(
+                x, batch.rows, batch.row_slots, self.A, last, self.Bt, firsts, widths, R, y
+            ):
+                return
             t = torch.bmm(
                 x.index_select(0, batch.rows).unsqueeze(1),
                 self.A[:, :last].index_select(0, batch.row_slots).transpose(1, 2),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kernels.cpu_ops import load_cpu_ops
 from engine.lora.adapter import AdapterWeights, read_adapter
 from engine.lora.batch import NO_SLOT, LoRABatch
 from engine.lora.config import LoRAConfig
@@ -50,6 +51,8 @@ class ModelLoRA:
                 linear.lora = s
                 self.slots[(i, name)] = s
         self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # cache key -> weights, as the scheduler keeps them
+        # The C++ per-row op (engine/kernels/cpu/lora_bgmv.cpp) for the steps it wins (batch.py).
+        self.bgmv = device.type == "cpu" and load_cpu_ops() is not None
 
     def apply(self, so: SchedulerOutput) -> None:
         """Before the step: forget the adapters the scheduler evicted from host memory, then
@@ -86,4 +89,4 @@ class ModelLoRA:
     def batch(self, slots: list[int], starts: list[int], counts: list[int], device: torch.device) -> LoRABatch | None:
         if all(s == NO_SLOT for s in slots):
             return None
-        return LoRABatch.build(slots, starts, counts, device, self.config.max_loras)
+        return LoRABatch.build(slots, starts, counts, device, self.config.max_loras, self.bgmv)

@@ -63,15 +63,23 @@ def test_adapters_change_the_output(lora_setup):
         assert [e[0] for e in expected[name]] != [e[0] for e in expected[None]], name
 
 
-# plain; n-gram speculation (drafts verified with each row's adapter); a pool so small that
-# requests are preempted and resume (their slots pinned again).
-MODES = {"plain": {}, "ngram": {"speculative_config": "ngram:3"}, "preempt": {"num_blocks": 20}}
+# plain; plain with PyTorch's forms only (no C++ per-row op); n-gram speculation (drafts verified
+# with each row's adapter); a pool so small that requests are preempted and resume (their slots
+# pinned again), with PyTorch's forms.
+MODES = {
+    "plain": {},
+    "plain-torch": {},
+    "ngram": {"speculative_config": "ngram:3"},
+    "preempt": {"num_blocks": 20},
+}
+TORCH_FORMS = {"plain-torch", "preempt"}
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_mixed_batch_matches_peft(lora_setup, mode, monkeypatch):
-    """Four adapters and the base in one batch (interleaved, prefill chunks beside decode rows):
-    steps of many rows over all four compute the deltas with grouped matmuls, decode steps over
+    """Four adapters and the base in one batch (interleaved, prefill chunks beside decode rows).
+    Where the C++ ops are built every step computes the deltas per row in one call per linear;
+    with PyTorch's forms, steps of many rows over all four use grouped matmuls, decode steps over
     two or more gather each row's weights, the others go per adapter (engine/lora/batch.py)."""
     base_dir, paths, expected = lora_setup
     loras = {name: LoRARequest(name, i + 1, str(paths[name])) for i, name in enumerate(ADAPTERS)}
@@ -81,11 +89,14 @@ def test_mixed_batch_matches_peft(lora_setup, mode, monkeypatch):
     def spied_build(*args, **kwargs):
         b = build(*args, **kwargs)
         if b is not None:
-            forms.append("gathered" if b.rows is not None else "grouped" if b.order is not None else "per adapter")
+            forms.append("per row" if b.rows is not None else "grouped" if b.order is not None else "per adapter")
         return b
 
     monkeypatch.setattr(LoRABatch, "build", staticmethod(spied_build))
     llm = _llm(base_dir, max_loras=len(ADAPTERS), **MODES[mode])
+    lora = llm.engine.core.executor.runner.lora
+    kernel = lora.bgmv and mode not in TORCH_FORMS
+    lora.bgmv = kernel
     order = [(name, j) for j in range(len(PROMPTS)) for name in [*ADAPTERS, None]]
     outs = llm.generate(
         [{"prompt_token_ids": PROMPTS[j]} for _, j in order],
@@ -97,9 +108,9 @@ def test_mixed_batch_matches_peft(lora_setup, mode, monkeypatch):
         _check(out, expected[name][j])
     stats = llm.stats()
     assert stats["num_lora_loads"] == len(ADAPTERS)
-    if mode == "plain":
+    if mode.startswith("plain"):
         assert stats["num_steps"] < 3 * MAX_TOKENS  # one batch: every request in every step
-        assert {"grouped", "gathered"} <= set(forms), forms
+        assert set(forms) == {"per row"} if kernel else {"grouped", "per row"} <= set(forms), forms
     if mode == "preempt":
         assert "per adapter" in forms, forms
         assert stats["num_preemptions"] > 0

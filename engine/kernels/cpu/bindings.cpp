@@ -1,6 +1,7 @@
 // The CPU ops module: paged decode and prefill attention (paged_decode.cpp, prefill_attention.cpp),
 // the few-row linears of low-concurrency decode (small_linear.cpp, int4_linear.cpp), int4 weights
 // widened to bf16 or float32 for prompt-sized steps (int4_dequantize.cpp),
+// the LoRA deltas of decode rows (lora_bgmv.cpp),
 // the paged cache write (kv_write.cpp), the greedy row argmax (argmax.cpp) and the fused
 // RMSNorm / SiLU-and-mul / rotary steps (fused_elementwise.cpp), a few-row decode step's decoder
 // layers in one call (decode_layers.cpp), built once per source version
@@ -44,6 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable", nogil);
   m.def("int4_dequantize", &int4_dequantize,
         "out[k, n] = bf16 or float32 weight of PyTorch's CPU int4 pack (transposed) for a prompt-sized GEMM; false if not applicable",
+        nogil);
+  m.def("lora_bgmv", &lora_bgmv,
+        "y[rows] += each row's LoRA delta from its slot's A and per-piece B^T (decode rows); false if not applicable",
         nogil);
   m.def("isa", &isa, "vector path compiled in");
   bind_decode_layers(m);

@@ -6,6 +6,7 @@
 // Python (bindings.cpp, decode_layers.cpp) include torch/extension.h.
 #include <torch/types.h>
 #include <optional>
+#include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale);
@@ -23,3 +24,6 @@ bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scal
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,
                      torch::Tensor out);
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
+bool lora_bgmv(torch::Tensor x, torch::Tensor rows, torch::Tensor slots, torch::Tensor A, int64_t last,
+               std::vector<torch::Tensor> bts, std::vector<int64_t> firsts, std::vector<int64_t> widths, int64_t R,
+               torch::Tensor y);
