@@ -51,8 +51,10 @@ class ModelLoRA:
                 linear.lora = s
                 self.slots[(i, name)] = s
         self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # cache key -> weights, as the scheduler keeps them
-        # The C++ per-row op (engine/kernels/cpu/lora_bgmv.cpp) for the steps it wins (batch.py).
-        self.bgmv = device.type == "cpu" and load_cpu_ops() is not None
+        # The C++ per-row op (engine/kernels/cpu/lora_bgmv.cpp) for the steps it wins (batch.py);
+        # a generic build (no AVX2) has the module but declines the op.
+        ops = load_cpu_ops() if device.type == "cpu" else None
+        self.bgmv = ops is not None and ops.isa() != "generic"
 
     def apply(self, so: SchedulerOutput) -> None:
         """Before the step: forget the adapters the scheduler evicted from host memory, then
