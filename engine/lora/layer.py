@@ -53,6 +53,7 @@ class LoRASlots:
         self.max_rank = max_rank
         # Each piece's (first column, columns) in this rank's output.
         self.outs = [(0, base.output_size)] if self.row_parallel else [base.shard_rows(s) for s in shard_ids]
+        self.firsts = [first for first, _ in self.outs]
         self.A = torch.zeros(max_loras, len(shard_ids) * max_rank, in_local, dtype=dtype, device=device)
         self.Bt = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=device) for _, n in self.outs]
         self.ranks = [[0] * len(shard_ids) for _ in range(max_loras)]  # each piece's rank in slot s (0: none)
@@ -103,9 +104,8 @@ class LoRASlots:
             # Each row's own A and B: in one C++ call (lora_bgmv.cpp) reading them in place, else
             # gathered by slot into one bmm for A and one per piece for B.
             ops = cpu_ops_for(x)
-            firsts = [first for first, _ in self.outs]
             if ops is not None and ops.lora_bgmv(
-                x, batch.rows, batch.row_slots, self.A, last, self.Bt, firsts, widths, R, y
+                x, batch.rows, batch.row_slots, self.A, last, self.Bt, self.firsts, widths, R, y
             ):
                 return
             t = torch.bmm(

@@ -6,20 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 # float32: summation order only; bf16: at most one bf16 ulp where a float sum rounds differently.
 TOL = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = load_cpu_ops()
-    assert mod is not None, "the C++ CPU ops did not build"
-    return mod
 
 
 def ran(ops, result: bool) -> bool:

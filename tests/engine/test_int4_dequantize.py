@@ -19,7 +19,7 @@ from engine.layers.quant.int4_format import (
     unpack_nibbles,
 )
 from tests.engine.test_int4_small_linear import exact_wide, pack_rows, pack_rows32, pytorch_weight, with_f16_scales
-from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture
+from tests.engine.test_small_linear import vector
 
 
 def widen(ops, w, block_rows=None):

@@ -33,7 +33,7 @@ from engine.layers.quant.int4_format import (
     unpack_nibbles,
 )
 from engine.layers.quant.int8 import quantize_int8
-from tests.engine.test_small_linear import ops, vector  # noqa: F401 - ops: the module-scoped fixture
+from tests.engine.test_small_linear import vector
 
 
 def run_op(ops, x, w, bias=None, block_rows=None, scale_min=None):

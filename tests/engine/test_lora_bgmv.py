@@ -6,15 +6,6 @@ bfloat16; and what it declines."""
 import pytest
 import torch
 
-from engine.kernels.cpu_ops import load_cpu_ops
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = load_cpu_ops()
-    assert mod is not None, "the C++ CPU ops did not build"
-    return mod
-
 
 def vector(ops) -> bool:  # runs wherever the build has AVX-512 or AVX2; generic builds decline
     return ops.isa() != "generic"

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.packed_gemm import (
     OP_ROWS,
     PANEL_ORDER,
@@ -19,13 +18,6 @@ from engine.layers.packed_gemm import (
     small_rows,
 )
 from tests.engine.gil import Spinner
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = load_cpu_ops()
-    assert mod is not None, "the C++ CPU ops did not build"
-    return mod
 
 
 def vector(ops) -> bool:  # runs wherever the build has AVX-512 or AVX2; generic builds decline
