@@ -176,9 +176,10 @@ class EngineReplica(RouterLeases, ReplicaStats):
         if box is None:
             return
         try:
-            async for payload in box.messages():
-                self.channel_messages += 1
-                yield payload
+            async with contextlib.aclosing(box.messages()) as batches:  # closed at once if cancelled
+                async for payload in batches:
+                    self.channel_messages += 1
+                    yield payload
         finally:
             if box.idle and self._outboxes.get(ingress_id) is box:
                 del self._outboxes[ingress_id]
@@ -239,7 +240,7 @@ class EngineReplica(RouterLeases, ReplicaStats):
             if job.trace is not None:
                 job.trace.close(error, aborted=not completed and error is None)
             job.box.request_done(job.request_id)
-            if job.box.idle and self._outboxes.get(job.ingress_id) is job.box:
+            if job.box.droppable and self._outboxes.get(job.ingress_id) is job.box:
                 del self._outboxes[job.ingress_id]  # also when its ingress never opened a channel
 
     def _observe(self, job: Job, out) -> None:

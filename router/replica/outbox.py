@@ -34,7 +34,7 @@ LINGER_S = 1.0
 class Outbox:
     """Outputs of one router's requests on this replica, waiting for that router's channel."""
 
-    __slots__ = ("items", "active", "linger_s", "_event", "_handed_over", "last_seen")
+    __slots__ = ("items", "active", "linger_s", "readers", "_event", "_handed_over", "last_seen")
 
     def __init__(self, handed_over: Callable[[], None] | None = None, linger_s: float = LINGER_S) -> None:
         self.items = StepOutputs()
@@ -42,6 +42,10 @@ class Outbox:
         # The router's lease: when it last showed it is alive (a request, a renewal; monotonic).
         self.last_seen = time.monotonic()
         self.linger_s = linger_s
+        # Channels reading this outbox (messages() runs): only the last may drop the outbox, since
+        # a request that starts while the channel lingers must find this outbox, not a new one
+        # that no channel reads until the linger ends.
+        self.readers = 0
         self._event = asyncio.Event()
         # Returns once the engine thread has handed the current step's outputs to the loop.
         self._handed_over = handed_over
@@ -76,6 +80,11 @@ class Outbox:
     def idle(self) -> bool:
         return not self.items and not self.active
 
+    @property
+    def droppable(self) -> bool:
+        """Nothing to send, nothing running and no channel reading it."""
+        return self.idle and not self.readers
+
     async def messages(self) -> AsyncIterator[bytes]:
         """Encoded batches until idle for `linger_s`: all outputs put since the previous message.
 
@@ -83,6 +92,14 @@ class Outbox:
         request's pump task), and the loop may wake between them: after the first output of
         a step, wait until the engine thread is done handing that step over, then give the
         loop a few turns so every pump has put its output."""
+        self.readers += 1
+        try:
+            async for payload in self._batches():
+                yield payload
+        finally:
+            self.readers -= 1
+
+    async def _batches(self) -> AsyncIterator[bytes]:
         while True:
             if not self.items:
                 self._event.clear()

@@ -7,6 +7,7 @@ EngineReplica driven directly: one message carries several requests, the channel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -72,6 +73,33 @@ def test_outbox_keeps_the_channel_for_the_next_request_then_ends():
     got, lingered = asyncio.run(run())
     assert [g for g, _ in got] == [["a1"], ["b1"]]
     assert 0.25 <= lingered < 1.5, lingered
+
+
+def test_an_outbox_a_channel_reads_is_dropped_only_by_that_channel():
+    """The replica drops an idle outbox when a request ends, unless a channel still reads it
+    (lingering): the router's next request must land in the outbox that channel reads, not in a
+    new one nobody reads until the linger ends."""
+
+    async def run():
+        box = Outbox(linger_s=0.2)
+        box.active.add("a")
+        reader = asyncio.create_task(_drain(box))
+        box.put("a1")
+        box.request_done("a")
+        await asyncio.sleep(0.05)
+        lingering = (box.idle, box.droppable)
+        await asyncio.wait_for(reader, 2.0)
+        return lingering, box.droppable
+
+    lingering, after = asyncio.run(run())
+    assert lingering == (True, False)  # idle, but its channel lingers on it
+    assert after  # the channel ended: now it may go
+
+
+async def _drain(box: Outbox) -> None:
+    async with contextlib.aclosing(box.messages()) as batches:
+        async for _ in batches:
+            pass
 
 
 class _FakeChannelHandle:
@@ -224,4 +252,27 @@ def test_replica_finish_and_abort_end_the_request(replica, how):
     reason = "stop" if how == "finish" else "abort"
     assert replica.finished.get(reason, 0) == before.get(reason, 0) + 1
     assert replica.engine.step_count - steps < 60  # far from the 500 tokens asked for
+    assert not replica._outboxes and not replica._jobs
+
+
+@pytest.mark.slow
+def test_a_request_started_while_the_channel_lingers_rides_that_channel(replica):
+    """A router's next request that starts after its previous one ended, while the channel
+    lingers, goes out on that channel: its outputs must not wait for the linger to end and a
+    new channel to open (one second of first-token latency at every other request)."""
+    ids = replica.engine.tokenizer("Name three rivers.").input_ids
+
+    async def run():
+        await replica.submit(SubmitRequest("seq-0", ids, _params(4), "router-c", time.time()))
+        tokens: dict[str, int] = {}
+        async for payload in replica.output_channel("router-c"):
+            for o in decode(payload).outputs:
+                tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.new_token_ids)
+            if tokens.get("seq-0") == 4 and "seq-1" not in tokens and "seq-1" not in replica._jobs:
+                while "seq-0" in replica._jobs:  # its pump has ended: the channel lingers now
+                    await asyncio.sleep(0.01)
+                await replica.submit(SubmitRequest("seq-1", ids, _params(4), "router-c", time.time()))
+        return tokens
+
+    assert asyncio.run(run()) == {"seq-0": 4, "seq-1": 4}
     assert not replica._outboxes and not replica._jobs
