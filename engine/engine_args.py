@@ -38,6 +38,8 @@ class EngineArgs:
     # layer turns it on; offline there is nobody to leave the core to.
     spare_core_max_tokens: int = 0
     enforce_eager: bool = False  # CUDA: no decode CUDA graphs (CPU never captures any)
+    # Build every linear kernel a step can need before the first request (engine/runner/warm_up.py).
+    warmup: bool = True
     # Turn the previous step's tokens into text while the device runs the next step (the step
     # is launched first). None: on where steps run asynchronously (CUDA, tp=1); on CPU a step
     # runs to its end when launched, so overlapping would only deliver text a step later.

@@ -109,6 +109,8 @@ class LLMEngine:
             threads,
             lora,
         )
+        if args.warmup:
+            executor.warm_up(args.max_num_batched_tokens, args.max_num_seqs)
         # The adapters known by name (engine/lora/registry.py); None: LoRA is off.
         self.loras = AdapterRegistry(lora, self.model_config.hf_config, self.model_config.served_name) if lora else None
         for name, path in parse_lora_modules(args.lora_modules).items():

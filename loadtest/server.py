@@ -12,16 +12,20 @@ import httpx
 
 
 def wait_ready(root: str, timeout: float = 600.0, proc: subprocess.Popen | None = None) -> None:
+    """Until GET /health answers 200; /v1/models only where the server has no /health (404). A
+    server's /v1/models may answer before its engines can take a request (Orbital's does)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
-        for path in ("/health", "/v1/models"):
-            try:
-                if httpx.get(root.rstrip("/") + path, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+        try:
+            health = httpx.get(root.rstrip("/") + "/health", timeout=5.0).status_code
+            if health == 200:
+                return
+            if health == 404 and httpx.get(root.rstrip("/") + "/v1/models", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet, or its health check waits for engines still starting
         time.sleep(0.5)
     raise TimeoutError(f"{root} not ready after {timeout:.0f} s")
 

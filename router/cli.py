@@ -205,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU: steps of at most this many tokens run on one thread fewer, leaving a core to the processes "
         "that stream tokens out (0: never)",
     )
+    s.add_argument(
+        "--no-warmup", action="store_true", help="replicas report ready without building their kernels first"
+    )
     s.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     s.add_argument(
         "--address",
@@ -357,6 +360,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         speculative=a.speculative,
         num_threads=a.threads or max(1, int(cpus)),
         spare_core_max_tokens=a.spare_core_max_tokens,
+        warmup=not a.no_warmup,
         enable_lora=a.enable_lora,
         max_loras=a.max_loras,
         max_lora_rank=a.max_lora_rank,

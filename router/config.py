@@ -167,6 +167,11 @@ class AppConfig(BaseModel):
         "processes that stream tokens out; 0 = never (the default: with served engines spinning ~2 ms and no "
         "proxy hop, every core for every step was 1.04-1.14x the tokens/s at 1-8 streams on 2 cores).",
     )
+    warmup: bool = Field(
+        _E.warmup,
+        description="Before a replica reports ready, build every linear kernel its steps can need (each row-count "
+        "bucket), so its first requests do not pay for them.",
+    )
     cpus_per_worker: float = Field(1.0, ge=0, description="Ray CPUs reserved per TP worker (bundle).")
     gpus_per_worker: float | None = Field(None, ge=0, description="Ray GPUs per worker (default: 1 on cuda, else 0).")
     replica_resources: dict[str, float] | None = Field(
@@ -569,6 +574,7 @@ class AppConfig(BaseModel):
             "served_model_name": self.model_name,
             "num_threads": self.num_threads or max(1, int(self.cpus_per_worker)),
             "spare_core_max_tokens": self.spare_core_max_tokens,
+            "warmup": self.warmup,
             "pooling_type": self.pooling_type,
             "enable_lora": self.enable_lora,
             "max_loras": self.max_loras,

@@ -68,6 +68,10 @@ class DriverRank(RankRunner):
         with bound_tp_group(self.tp, self.pp):
             return self.runner.execute_model(so)
 
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
+        with bound_tp_group(self.tp, self.pp):
+            self.runner.warm_up(max_tokens, max_logit_rows)
+
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float]:
         with bound_tp_group(self.tp, self.pp):
             return self.runner.measure_step_costs(max_batch, max_k)

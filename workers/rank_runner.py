@@ -53,6 +53,10 @@ class RankRunner:
         """This rank's part of the verify-step cost table (every rank at once: see ModelRunner)."""
         return self.runner.measure_step_costs(max_batch, max_k)
 
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
+        """This rank's part of the warm-up (every rank at once: the LM head gathers)."""
+        self.runner.warm_up(max_tokens, max_logit_rows)
+
     def init_kv_cache(self, num_blocks: int) -> int:
         self.runner.init_kv_cache(num_blocks)
         return self.runner.bytes_per_block()

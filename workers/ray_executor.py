@@ -209,6 +209,15 @@ class RayExecutor(Executor):
         except Exception as e:
             self._fail(e)
 
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
+        """Every rank at once (each stage its own layers; the LM head's gather is collective)."""
+        refs = [w.warm_up.remote(max_tokens, max_logit_rows) for w in self.workers]
+        try:
+            self.rank0.warm_up(max_tokens, max_logit_rows)
+            ray.get(refs, timeout=self.step_timeout_s)
+        except Exception as e:
+            self._fail(e)
+
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         """The speculative verify-step cost table, measured by all ranks together (before any
         request: nothing else is in flight on the group). pp > 1: not measured (a stage's

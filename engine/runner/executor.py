@@ -61,6 +61,9 @@ class Executor(abc.ABC):
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write every-head contents (as `read_kv_blocks` returns them) into these blocks."""
 
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
+        """Build every linear kernel a step can need before the first request (runner/warm_up.py)."""
+
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         """Seconds of a step of B rows computing 1 + k tokens each (the speculative verify cost
         model); None: not measured, the engine assumes cost proportional to tokens."""
@@ -106,6 +109,9 @@ class InProcessExecutor(Executor):
 
     def write_kv_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.runner.write_kv_blocks(block_ids, data)
+
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
+        self.runner.warm_up(max_tokens, max_logit_rows)
 
     def measure_step_costs(self, max_batch: int, max_k: int) -> dict[tuple[int, int], float] | None:
         return self.runner.measure_step_costs(max_batch, max_k)

@@ -34,6 +34,7 @@ from engine.runner.kv_memory import allocate_kv_caches
 from engine.runner.pooling import pool_step
 from engine.runner.runner_state import RunnerRequestState, RunnerStates
 from engine.runner.sampling_metadata import SamplingMetadata
+from engine.runner.warm_up import WarmUpReport, warm_up
 from engine.spec_decode.verify import accept_drafts
 
 # Logits rows computed at once for prompt logprobs, and reserved by the memory profile.
@@ -235,6 +236,12 @@ class ModelRunner:
                 break
             b *= 2
         return table
+
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> WarmUpReport:
+        """Every linear kernel at every row count a step can take (runner/warm_up.py), before any
+        request; at tp > 1 every rank at once. Only the last pipeline stage scores logits."""
+        rows = max_logit_rows if self.pp.is_last else 0
+        return warm_up(self.model, self.mc.hf_config.hidden_size, self.mc.dtype, self.device, max_tokens, rows)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.
