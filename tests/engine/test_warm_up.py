@@ -45,9 +45,7 @@ def _kernels_built_while_serving(dtype: str, warmup: str) -> list[str]:
     ).stdout
     serving = out.split("=== serving", 1)[1].split("=== done", 1)[0]
     return [
-        line
-        for line in serving.splitlines()
-        if "cache_miss" in line and ("inner_product" in line or "matmul" in line)
+        line for line in serving.splitlines() if "cache_miss" in line and ("inner_product" in line or "matmul" in line)
     ]
 
 
