@@ -9,6 +9,7 @@ samples and returns token ids; other ranks return None.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import Callable
 
@@ -34,8 +35,10 @@ from engine.runner.kv_memory import allocate_kv_caches
 from engine.runner.pooling import pool_step
 from engine.runner.runner_state import RunnerRequestState, RunnerStates
 from engine.runner.sampling_metadata import SamplingMetadata
-from engine.runner.warm_up import WarmUpReport, warm_up
+from engine.runner.warm_up import warm_up
 from engine.spec_decode.verify import accept_drafts
+
+log = logging.getLogger(__name__)
 
 # Logits rows computed at once for prompt logprobs, and reserved by the memory profile.
 LOGIT_ROWS = 256
@@ -237,11 +240,12 @@ class ModelRunner:
             b *= 2
         return table
 
-    def warm_up(self, max_tokens: int, max_logit_rows: int) -> WarmUpReport:
+    def warm_up(self, max_tokens: int, max_logit_rows: int) -> None:
         """Every linear kernel at every row count a step can take (runner/warm_up.py), before any
         request; at tp > 1 every rank at once. Only the last pipeline stage scores logits."""
         rows = max_logit_rows if self.pp.is_last else 0
-        return warm_up(self.model, self.mc.hf_config.hidden_size, self.mc.dtype, self.device, max_tokens, rows)
+        r = warm_up(self.model, self.mc.hf_config.hidden_size, self.mc.dtype, self.device, max_tokens, rows)
+        log.info("warm-up: %d (weight, row count) shapes in %.2f s", r.shapes, r.seconds)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         # With graphs, one spare block past the scheduler's takes the padding rows' K/V writes.

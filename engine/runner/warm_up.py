@@ -9,8 +9,8 @@ chunk or a decode step can take, and the LM head at every bucket of rows it can 
 Row counts stop at WARM_ROWS: a kernel build costs ~1 ms whatever the rows (bf16 and float32,
 2-core Zen 4), while a linear over more rows computes for several ms itself, so larger
 buckets would cost the warm-up more than they save a request. The weights' values are not
-touched. At tp > 1 every rank runs it at once (the LM head gathers
-its logits over the ranks), each on its own shards.
+touched. At tp > 1 every rank runs it at once (the LM head gathers its logits over the ranks),
+each on its own shards.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def warm_up(
         for m in row_counts(min(max_tokens, WARM_ROWS)):
             linear(torch.zeros(m, k, dtype=dtype, device=device), w)
             shapes += 1
-    heads = [mod for mod in model.modules() if isinstance(mod, ParallelLMHead)]
-    for head in heads[:1]:
+    head = next((mod for mod in model.modules() if isinstance(mod, ParallelLMHead)), None)
+    if head is not None:
         for m in row_counts(min(max_logit_rows, WARM_ROWS)):
             head.compute_logits(torch.zeros(m, hidden_size, dtype=dtype, device=device))
             shapes += 1

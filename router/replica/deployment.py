@@ -181,8 +181,13 @@ class EngineReplica(RouterLeases, ReplicaStats):
                     self.channel_messages += 1
                     yield payload
         finally:
-            if box.idle and self._outboxes.get(ingress_id) is box:
-                del self._outboxes[ingress_id]
+            self._drop_outbox_when_done(ingress_id, box)
+
+    def _drop_outbox_when_done(self, ingress_id: str, box: Outbox) -> None:
+        """Forget an ingress's outbox once it has nothing to send or run and no channel reads it
+        (also when its ingress never opened a channel)."""
+        if box.droppable and self._outboxes.get(ingress_id) is box:
+            del self._outboxes[ingress_id]
 
     # --- KV events ------------------------------------------------------------------------
 
@@ -240,8 +245,7 @@ class EngineReplica(RouterLeases, ReplicaStats):
             if job.trace is not None:
                 job.trace.close(error, aborted=not completed and error is None)
             job.box.request_done(job.request_id)
-            if job.box.droppable and self._outboxes.get(job.ingress_id) is job.box:
-                del self._outboxes[job.ingress_id]  # also when its ingress never opened a channel
+            self._drop_outbox_when_done(job.ingress_id, job.box)
 
     def _observe(self, job: Job, out) -> None:
         rid, now = out.request_id, time.time()

@@ -94,28 +94,24 @@ class Outbox:
         loop a few turns so every pump has put its output."""
         self.readers += 1
         try:
-            async for payload in self._batches():
-                yield payload
+            while True:
+                if not self.items:
+                    self._event.clear()
+                    if self.active:
+                        await self._event.wait()
+                    else:
+                        try:  # idle: wait a while for this router's next request
+                            await asyncio.wait_for(self._event.wait(), self.linger_s)
+                        except asyncio.TimeoutError:
+                            pass
+                        if not self.items and not self.active:
+                            return
+                    if self._handed_over is not None:
+                        self._handed_over()
+                    for _ in range(COALESCE_TURNS):
+                        await asyncio.sleep(0)
+                    continue
+                items, self.items = self.items, StepOutputs()
+                yield encode(items)
         finally:
             self.readers -= 1
-
-    async def _batches(self) -> AsyncIterator[bytes]:
-        while True:
-            if not self.items:
-                self._event.clear()
-                if self.active:
-                    await self._event.wait()
-                else:
-                    try:  # idle: wait a while for this router's next request
-                        await asyncio.wait_for(self._event.wait(), self.linger_s)
-                    except asyncio.TimeoutError:
-                        pass
-                    if not self.items and not self.active:
-                        return
-                if self._handed_over is not None:
-                    self._handed_over()
-                for _ in range(COALESCE_TURNS):
-                    await asyncio.sleep(0)
-                continue
-            items, self.items = self.items, StepOutputs()
-            yield encode(items)

@@ -81,7 +81,7 @@ def test_an_outbox_a_channel_reads_is_dropped_only_by_that_channel():
     new one nobody reads until the linger ends."""
 
     async def run():
-        box = Outbox(linger_s=0.2)
+        box = Outbox(linger_s=1.0)  # far longer than the 0.05 s below, even on a loaded machine
         box.active.add("a")
         reader = asyncio.create_task(_drain(box))
         box.put("a1")
