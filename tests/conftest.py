@@ -30,6 +30,23 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: the order inside a package is pytest's
 
 
+_FILE_SECONDS: dict[str, float] = {}  # test file -> its tests' setup + call + teardown seconds
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The files that take the most time (module fixtures included): where the suite's minutes go."""
+    slowest = sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:25]
+    if slowest:
+        terminalreporter.write_sep("=", f"slowest {len(slowest)} files of {len(_FILE_SECONDS)}")
+        for path, seconds in slowest:
+            terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def shared_serve_cluster_stops():
     """The shared Serve cluster, if a test started it, is shut down when the run ends."""

@@ -15,9 +15,12 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, Callable
 
+import ray
+
 from router.messages import StepOutputs, decode
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
     from ray.serve.handle import DeploymentHandle
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,9 @@ class OutputReader:
     ) -> None:
         self.stream_handle = stream_handle
         self.ingress_id = f"ingress-{uuid.uuid4().hex}"
+        # This ingress's own actor, handed to each channel: a replica being drained, which no
+        # pinned call (a lease renewal) can reach, asks it whether this ingress lives.
+        self.actor = _current_actor()
         self.on_batch, self.on_error = on_batch, on_error
         self.active: dict[str, set[str]] = {}  # replica id -> request ids waiting for outputs
         self._tasks: dict[str, asyncio.Task] = {}
@@ -63,7 +69,7 @@ class OutputReader:
         empty = 0  # channel calls in a row that brought nothing
         try:
             while replica in self.active:
-                gen = self.stream_handle.output_channel.remote(self.ingress_id, replica_id=replica)
+                gen = self.stream_handle.output_channel.remote(self.ingress_id, replica_id=replica, router=self.actor)
                 got = False
                 try:
                     async for payload in gen:
@@ -93,3 +99,11 @@ class OutputReader:
     def close(self) -> None:
         for t in list(self._tasks.values()):
             t.cancel()
+
+
+def _current_actor() -> ActorHandle | None:
+    """The Ray actor this code runs in (a Serve replica); None outside one (a driver's reader)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:  # noqa: BLE001 - not in an actor, or Ray not started
+        return None

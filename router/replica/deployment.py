@@ -34,6 +34,7 @@ from typing import AsyncIterator
 
 import ray
 from ray import serve
+from ray.actor import ActorHandle
 from ray.serve.handle import DeploymentHandle
 
 import router.tracing as tracing
@@ -169,12 +170,17 @@ class EngineReplica(RouterLeases, ReplicaStats):
         job.task = asyncio.get_running_loop().create_task(self._pump(job, stream, msg.batch_interval_s))
         return self.replica_id
 
-    async def output_channel(self, ingress_id: str, replica_id: str | None = None) -> AsyncIterator[bytes]:
+    async def output_channel(
+        self, ingress_id: str, replica_id: str | None = None, router: ActorHandle | None = None
+    ) -> AsyncIterator[bytes]:
         """Streaming: every output of `ingress_id`'s requests here, one encoded StepOutputs per
-        engine step (see `router/replica/outbox.py`); ends when that ingress has nothing left here."""
+        engine step (see `router/replica/outbox.py`); ends when that ingress has nothing left here.
+        `router`: the ingress's own actor, asked whether it lives when its lease runs out."""
         box = self._outboxes.get(ingress_id)
         if box is None:
             return
+        if router is not None:
+            box.router = router
         try:
             async with contextlib.aclosing(box.messages()) as batches:  # closed at once if cancelled
                 async for payload in batches:

@@ -34,13 +34,16 @@ LINGER_S = 1.0
 class Outbox:
     """Outputs of one router's requests on this replica, waiting for that router's channel."""
 
-    __slots__ = ("items", "active", "linger_s", "readers", "_event", "_handed_over", "last_seen")
+    __slots__ = ("items", "active", "linger_s", "readers", "_event", "_handed_over", "last_seen", "router")
 
     def __init__(self, handed_over: Callable[[], None] | None = None, linger_s: float = LINGER_S) -> None:
         self.items = StepOutputs()
         self.active: set[str] = set()  # request ids still running here for this router
         # The router's lease: when it last showed it is alive (a request, a renewal; monotonic).
         self.last_seen = time.monotonic()
+        # The router's Ray actor handle, from its output channel: asked whether it lives when its
+        # lease runs out (router/replica/router_leases.py). None until a channel opens.
+        self.router = None
         self.linger_s = linger_s
         # Channels reading this outbox (messages() runs): only the last may drop the outbox, since
         # a request that starts while the channel lingers must find this outbox, not a new one

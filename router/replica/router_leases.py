@@ -4,6 +4,13 @@ renews its lease every third of `router_lease_s` (router/ingress/lease_renewal.p
 heard from for a whole lease, by request or renewal, is taken for dead: its requests are
 aborted (their KV blocks return at the next step) and its outbox dropped. The output channel
 cannot tell: Ray keeps a streaming call's generator running after its caller dies.
+
+A router can also fall silent while it lives: once Serve removes this replica from the routers'
+lists (a scale-down, a redeploy), no call can be pinned here any more, renewals included, while
+the replica drains for `drain_timeout_s`. So a lease that runs out is checked first: the router's
+own actor (handed over with its output channel) is asked whether it lives, and a router that
+answers keeps its requests. Without that check a drain longer than a lease aborted the streams it
+was draining and they moved to other replicas, recomputed.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ if TYPE_CHECKING:
     from router.replica.outbox import Outbox
 
 log = logging.getLogger(__name__)
+
+# Seconds a router's actor has to answer when its lease ran out (a dead one fails at once).
+PROBE_S = 2.0
 
 
 class RouterLeases:
@@ -42,9 +52,17 @@ class RouterLeases:
         while True:
             await asyncio.sleep(self.router_lease_s / 4)
             now = time.monotonic()
-            for ingress_id, box in list(self._outboxes.items()):
-                if not box.lease_expired(self.router_lease_s, now):
+            expired = [(i, box) for i, box in self._outboxes.items() if box.lease_expired(self.router_lease_s, now)]
+            lives = await asyncio.gather(
+                *(_router_lives(box, min(PROBE_S, self.router_lease_s / 4)) for _, box in expired)
+            )
+            now = time.monotonic()
+            for (ingress_id, box), alive in zip(expired, lives):
+                if alive:
+                    box.last_seen = now  # it lives but cannot reach this replica: draining
                     continue
+                if self._outboxes.get(ingress_id) is not box:
+                    continue  # dropped or replaced while the routers were asked
                 log.warning(
                     "router %s has not been heard from for %.0f s: aborting its %d request(s)",
                     ingress_id,
@@ -59,3 +77,16 @@ class RouterLeases:
                         job.task.cancel()  # its cleanup aborts it in the engine
                     else:
                         self.engine.abort(rid)
+
+
+async def _router_lives(box: Outbox, timeout_s: float) -> bool:
+    """Whether the router that reads `box` answers (its Serve replica actor's built-in
+    `__ray_ready__`); False without a handle (its channel never opened), when it died or when
+    it does not answer in time."""
+    if box.router is None:
+        return False
+    try:
+        await asyncio.wait_for(box.router.__ray_ready__.remote(), timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - dead, unreachable or stalled: taken for dead
+        return False

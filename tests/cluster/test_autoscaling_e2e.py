@@ -7,6 +7,11 @@ the p95 time to first token from `record_autoscaling_stats`): `ongoing_requests_
 set out of reach, so a scale-up proves the chain replica stats -> controller -> OrbitalPolicy ->
 Serve, and the scale-down that the p95 falls back once the queue is gone.
 
+The router lease is far shorter than the drain (the streams run ~20 s after Serve stops the
+replica): routers cannot renew a lease on a replica Serve has removed from their lists, so the
+replica must ask the router whether it lives before it takes it for dead; otherwise the streams
+it drains are aborted and move to the survivor (recomputed), which this test counts.
+
 Measured figures are printed and written as JSON to $ORBITAL_SCALING_REPORT when set
 (cluster/README.md quotes them).
 """
@@ -22,6 +27,7 @@ import httpx
 import pytest
 
 from tests.cluster.helpers import complete, completion_body, replica_states, stream_completion
+from tests.router.conftest import metrics
 from tests.serve_cluster import local_serve, run_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -59,6 +65,8 @@ MORE_LONG = 2  # started beyond LONG while every long stream has gone to the sam
 KV_BYTES = 384 << 20  # float32 SmolLM2: ~46 KB per token, so 4 x 1600-token streams fit beside the rest
 MAX_NUM_SEQS = 8  # per replica: 12 clients keep 4 requests waiting on one replica; after the
 # burst no replica is full, so short requests never queue (no re-upscale)
+# Renewed every 2 s while listed; the drain outlasts it several times over.
+ROUTER_LEASE_S = 6.0
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 LONG_PROMPTS = [f"Story {i}: {PROMPT}" for i in range(LONG + MORE_LONG)]
 
@@ -75,6 +83,7 @@ def autoscaling_app():
             cpus_per_worker=1.0,
             max_num_seqs=MAX_NUM_SEQS,
             autoscaling=POLICY,
+            router_lease_s=ROUTER_LEASE_S,
         )
         handle = run_app(cfg, APP, url)
         yield {"url": url, "handle": handle, "cfg": cfg}
@@ -212,6 +221,8 @@ async def _scenario_steps(url: str, router, spawned: list, events: list) -> dict
         assert len(removed) == 1, final
         m["removed_replica_in_flight_at_stop"] = after_one[removed[0]] - at_stop.get(removed[0], 0)
         m["ended_per_replica"] = {"at_stop": at_stop, "after_long": after_one, "final": final, "removed": removed[0]}
+        page = await asyncio.to_thread(metrics, url)
+        m["migrations"] = page.get("orbital:router_migrations_total", 0.0)
     m.update(
         scale_down_decision_after_queue_empty_s=t_stop - t_queue_empty,
         scale_down_decision_after_burst_end_s=t_stop - t_drop,
@@ -245,6 +256,7 @@ def test_burst_scales_up_idle_scales_down_without_loss(autoscaling_app):
     assert m["scale_down_decision_after_queue_empty_s"] >= DOWNSCALE_DELAY_S - 1.0
     # the removed replica had streams running when it was told to stop, and none was cut
     assert m["removed_replica_in_flight_at_stop"] >= 1, m
+    assert m["migrations"] == 0, m  # drained where they ran, none aborted by a lease
     assert m["long_in_flight_at_stop"] >= 1, m
     assert m["burst_complete"] == m["burst_requests"] >= BURST and m["long_complete"] == m["long_streams"] >= LONG
     assert m["long_equal_reference"] == m["long_streams"]  # full, correct text (greedy, float32)

@@ -110,7 +110,7 @@ class _FakeChannelHandle:
         self.script, self.calls = script, []
         self.output_channel = self
 
-    def remote(self, router_id: str, replica_id: str | None = None):
+    def remote(self, router_id: str, replica_id: str | None = None, router=None):
         self.calls.append(replica_id)
         batches = self.script.pop(0) if self.script else []
 
