@@ -102,8 +102,11 @@ class OutputReader:
 
 
 def _current_actor() -> ActorHandle | None:
-    """The Ray actor this code runs in (a Serve replica); None outside one (a driver's reader)."""
+    """The Ray actor this code runs in (a Serve replica); None outside one. Asking Ray's runtime
+    context starts a local Ray where none runs, so a reader outside Ray (unit use) asks nothing."""
+    if not ray.is_initialized():
+        return None
     try:
         return ray.get_runtime_context().current_actor
-    except Exception:  # noqa: BLE001 - not in an actor, or Ray not started
+    except RuntimeError:  # a driver, not an actor
         return None

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from engine.core.kv_events import KVEventBatch
 from engine.outputs import EngineCoreOutput
 from router.messages import RequestFailed, StepOutputs, encode
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 # Loop turns after a step is handed over: an output scheduled by the engine thread needs one
 # turn for its callback and one for its pump task.
@@ -43,7 +46,7 @@ class Outbox:
         self.last_seen = time.monotonic()
         # The router's Ray actor handle, from its output channel: asked whether it lives when its
         # lease runs out (router/replica/router_leases.py). None until a channel opens.
-        self.router = None
+        self.router: ActorHandle | None = None
         self.linger_s = linger_s
         # Channels reading this outbox (messages() runs): only the last may drop the outbox, since
         # a request that starts while the channel lingers must find this outbox, not a new one
