@@ -17,8 +17,10 @@ Kinds and how they are held (q's storage, group of inputs sharing a scale and mi
 | Q5_K | d * sc * q - dmin * m | int8 0..31 | 32 |
 | Q6_K | d * sc * (q - 32) | int8 -32..31 | 16 |
 
-int8 ones run as two nibbles (blocks.py `as_nibbles`), so Q5 and Q6 weights take 8 bits a weight
-in memory (against 5.5-6.6 in the file; float32 would take 32). Other kinds (the IQ, TQ and FP4
+int8 ones whose rows span at most 32 values (Q5_0, Q5_1, Q5_K) run as nibbles plus a plane of high
+bits where the CPU ops run them (blocks.py `as_five_bits`: 5 bits a weight, 5.5-6 in the file);
+the others (Q8_0, Q6_K, and Q5 on CUDA) as two nibbles (`as_nibbles`): 8 bits a weight, against
+6.6-8.5 in the file (float32 would take 32). Other kinds (the IQ, TQ and FP4
 families: lookup tables, not affine in q) are not decoded here: gguf_weights.py dequantizes them.
 """
 

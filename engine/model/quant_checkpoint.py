@@ -19,8 +19,9 @@ from engine.layers.quant import is_quantized
 from engine.model.gguf_convert import cache_root
 
 # Bump when what a quantization produces changes (3: CPU int4's scale_min; 6: int8 as two
-# nibbles, bf16 scales; 7: two nibbles on the 32-row (AVX2) pack too; 8: scale_min blocked by 64 rows).
-FORMAT = 8
+# nibbles, bf16 scales; 7: two nibbles on the 32-row (AVX2) pack too; 8: scale_min blocked by 64 rows;
+# 9: 5-bit GGUF values as nibbles and high bits).
+FORMAT = 9
 _ATTRS = (
     "scale",
     "scale_bf16",
@@ -28,6 +29,7 @@ _ATTRS = (
     "scales_zeros_bf16",
     "rows",
     "input_order",
+    "hi_bits",
 )  # tensors that travel with a quantized weight
 _META = ("group_size", "two_nibbles", "out_features", "centered")
 

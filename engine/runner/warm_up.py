@@ -47,7 +47,8 @@ def row_counts(max_rows: int) -> list[int]:
 def _key(w: torch.Tensor) -> tuple:
     """What a kernel is built for: the weight's kind, shape and layout, not its values."""
     attrs = ("group_size", "two_nibbles", "out_features")
-    return (type(w), w.dtype, tuple(w.shape), w.is_mkldnn, w.device) + tuple(getattr(w, a, None) for a in attrs)
+    five = getattr(w, "hi_bits", None) is not None  # the 5-bit kernels are other builds
+    return (type(w), w.dtype, tuple(w.shape), w.is_mkldnn, w.device, five) + tuple(getattr(w, a, None) for a in attrs)
 
 
 def distinct_linears(model: nn.Module) -> list[tuple[torch.Tensor, int]]:

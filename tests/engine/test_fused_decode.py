@@ -145,3 +145,39 @@ def test_a_fused_step_lets_other_python_threads_run():
         assert spin.stamps_inside(min_seconds=0.002) > 0, spin.calls
     finally:
         llm.shutdown()
+
+
+def _q5_mix(name: str) -> str | None:
+    """Q5_0 and Q5_1 where SmolLM2's 576 inputs rule out K-quants (llama-quantize's Q4_K_M
+    fallbacks), Q4_K on the down projection."""
+    linear = name.split(".")[-2]
+    if linear == "ffn_down":
+        return "Q4_K"
+    if linear in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up"):
+        return "Q5_1" if linear == "attn_output" else "Q5_0"
+    return None
+
+
+def test_fused_decode_of_5_bit_weights(monkeypatch, tmp_path):
+    """A 2-layer GGUF of Q5_0 / Q5_1 tensors: where the C++ ops run them they are packed 5-bit
+    (nibbles and high bits) and the fused call reads the bit planes, bit-identical to the layers."""
+    from engine.layers.quant.int4 import five_bit_runs
+    from engine.model.gguf_convert import embedded_gguf_path
+    from tests.engine.gguf_subset import write_gguf_subset
+
+    path = write_gguf_subset(embedded_gguf_path(), tmp_path / "q5.gguf", 2, _q5_mix)
+    kw = {"model": str(path), "quantization": "gguf"}
+    want, _ = _generate(monkeypatch, False, PROMPTS, **kw)
+    llm = LLM(num_threads=2, num_blocks=16, block_size=16, **kw)
+    try:
+        layer = llm.engine.core.executor.runner.model.model.layers[0]
+        five = [
+            getattr(m.weight, "hi_bits", None) is not None for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)
+        ]
+    finally:
+        llm.shutdown()
+    assert five == [five_bit_runs()] * 2
+    got, fused_steps = _generate(monkeypatch, True, PROMPTS, **kw)
+    assert got == want
+    if _fused_expected(kw):
+        assert len(fused_steps) > 20

@@ -40,7 +40,8 @@ def run_op(ops, x, w, bias=None, block_rows=None, scale_min=None):
     """The op's output, or None where it declined (then it wrote nothing)."""
     out = torch.full((x.shape[0], w.out_features), float("nan"), dtype=x.dtype)
     sm = w.scale_min if scale_min is None else scale_min
-    if ops.int4_small_linear(x, w, sm, w.group_size, block_rows or pack_layout()[1], bias, out):
+    hb = getattr(w, "hi_bits", None)  # a 5-bit weight's high bits (test_int4_five_bits.py)
+    if ops.int4_small_linear(x, w, sm, w.group_size, block_rows or pack_layout()[1], bias, out, hb):
         return out
     assert out.isnan().all()
     return None

@@ -9,9 +9,11 @@
 // contiguous there. bf16 `out` rounds w once (oneDNN's bf16 GEMM, AVX-512 BF16); float32 `out`
 // keeps it unrounded (a float32 GEMM: 8-bit weights with float32 activations, and every prompt
 // chunk in exact mode). A two-nibble weight (8-bit values as two nibbles, kw = 2 * in_features)
-// sums its halves first.
+// sums its halves first; a 5-bit one adds 16 to each nibble whose high bit is set (its bit plane,
+// int4_linear.cpp).
 #include <torch/types.h>
 #include <ATen/Parallel.h>
+#include <cstring>
 #include "int4_scales.h"
 #include "simd16.h"
 
@@ -44,15 +46,21 @@ static inline void group_scales(const S* sz, int64_t groups, int64_t g, int64_t 
 }
 
 // Adds to row[] the B weights of packed input kk (rows in order: the low nibbles, then the high
-// ones): (q - 8) * scale + zero as PyTorch's kernel forms them (pairs), or q * scale + min.
+// ones): (q - 8) * scale + zero as PyTorch's kernel forms them (pairs), or q * scale + min. hb: the
+// input's B high bits (a 5-bit weight), else null.
 template <int B, typename S>
-static inline void add_input(const uint8_t* p, const F16* sc, const F16* z, F16* row) {
+static inline void add_input(const uint8_t* p, const uint8_t* hb, const F16* sc, const F16* z, F16* row) {
   const F16 eight = simd::set1(8.f);
   for (int s = 0; s < B / 32; ++s) {
     F16 q[2];
     simd::from_nibbles(p + 16 * s, q[0], q[1]);
     for (int h = 0; h < 2; ++h) {
-      const int u = s + h * (B / 32);
+      const int u = s + h * (B / 32);  // rows 16 u .. 16 u + 15
+      if (hb != nullptr) {
+        uint16_t bits;
+        std::memcpy(&bits, hb + 2 * u, 2);
+        q[h] = simd::add_where(q[h], bits, 16.f);
+      }
       const F16 v = kPairs<S> ? simd::sub(q[h], eight) : q[h];
       row[u] = simd::add(row[u], simd::fmadd(v, sc[u], z[u]));
     }
@@ -61,7 +69,7 @@ static inline void add_input(const uint8_t* p, const F16* sc, const F16* z, F16*
 
 // O: uint16_t (bf16 bits) or float.
 template <int B, typename S, typename O>
-void widen(const uint8_t* w, const S* sz, int64_t kw, int64_t k, int64_t gs, int64_t np,
+void widen(const uint8_t* w, const uint8_t* hb, const S* sz, int64_t kw, int64_t k, int64_t gs, int64_t np,
            int64_t n, O* out) {
   const int64_t blocks = (n + B - 1) / B;  // padding rows past n are never written
   const bool two = kw != k;
@@ -78,8 +86,8 @@ void widen(const uint8_t* w, const S* sz, int64_t kw, int64_t k, int64_t gs, int
         for (int64_t kk = g * gs; kk < (g + 1) * gs; ++kk) {
           F16 row[B / 16];
           for (int v = 0; v < B / 16; ++v) row[v] = simd::zero();
-          add_input<B, S>(wb + kk * (B / 2), sc[0], z[0], row);
-          if (two) add_input<B, S>(wb + (kk + k) * (B / 2), sc[1], z[1], row);
+          add_input<B, S>(wb + kk * (B / 2), hb != nullptr ? hb + (blk * kw + kk) * (B / 8) : nullptr, sc[0], z[0], row);
+          if (two) add_input<B, S>(wb + (kk + k) * (B / 2), nullptr, sc[1], z[1], row);
           O* o = out + kk * n + n0;
           O* dst = rows == B ? o : tail;
           for (int v = 0; v < B / 16; ++v) {
@@ -102,9 +110,10 @@ void widen(const uint8_t* w, const S* sz, int64_t kw, int64_t k, int64_t gs, int
 // packed uint8 [np, kw / 2] in the int4pack layout with `block_rows` (64 or 32) rows per block;
 // scales: PyTorch's bf16 (scale, zero) pairs [kw / group_size, np, 2], or the exact scales and
 // mins [np / 64, kw / group_size, 2, 64] in float32 or float16; out bf16 or float32 [k, n] (n <= np;
-// kw = k, or 2k for a two-nibble weight). False (nothing written) where it does not apply.
+// kw = k, or 2k for a two-nibble weight); hi_bits: a 5-bit weight's high bits [np / block_rows, k,
+// block_rows / 8], or None. False (nothing written) where it does not apply.
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,
-                     torch::Tensor out) {
+                     torch::Tensor out, std::optional<torch::Tensor> hi_bits) {
 #if defined(ORBITAL_SIMD16)
   if (packed.dim() != 2 || out.dim() != 2 || !packed.device().is_cpu()) return false;
   const int64_t np = packed.size(0), kw = packed.size(1) * 2, k = out.size(0), n = out.size(1);
@@ -119,15 +128,17 @@ bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_s
       scales.sizes() != at::IntArrayRef(want))
     return false;
   if ((out.scalar_type() != at::kBFloat16 && out.scalar_type() != at::kFloat) || !out.is_contiguous()) return false;
+  if (hi_bits && !valid_hi_bits(*hi_bits, np, kw, k, block_rows)) return false;
   const auto* w = packed.data_ptr<uint8_t>();
+  const uint8_t* hb = hi_bits ? hi_bits->data_ptr<uint8_t>() : nullptr;
   const auto with_scales = [&](const auto* sz) {
     using S = std::remove_const_t<std::remove_pointer_t<decltype(sz)>>;
     const auto run = [&](auto* o) {
       using O = std::remove_pointer_t<decltype(o)>;
       if (block_rows == 64) {
-        widen<64, S, O>(w, sz, kw, k, group_size, np, n, o);
+        widen<64, S, O>(w, hb, sz, kw, k, group_size, np, n, o);
       } else {
-        widen<32, S, O>(w, sz, kw, k, group_size, np, n, o);
+        widen<32, S, O>(w, hb, sz, kw, k, group_size, np, n, o);
       }
     };
     if (out.scalar_type() == at::kFloat) {

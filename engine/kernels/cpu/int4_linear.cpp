@@ -10,6 +10,9 @@
 // the decoded nibbles; up to 64 go in chunks of 4 over each block while its bytes are in cache
 // (decode at moderate and high concurrency: on AVX-512 BF16 a 32-row SmolLM2 step takes 63 ms
 // with this op against 90 with PyTorch's kernel).
+// A 5-bit weight (GGUF's Q5_0 / Q5_1 / Q5_K values, 0..31) is its low nibbles in that layout plus
+// a plane of high bits beside it, [np / B, kw, B / 8] (per block and input k, bit r of the B / 8
+// bytes is row r's): 5.5-6 bits a weight where two nibbles took 8.5.
 // Returns false where it does not apply.
 #include <torch/types.h>
 #include <ATen/Parallel.h>
@@ -46,6 +49,7 @@ struct Args {
   const uint8_t* w;   // packed [np / B, kw, B / 2]
   const S* scale;     // blocked planes (pairs: [groups, np, 2])
   int64_t kw, groups, gs, np;
+  const uint8_t* hb;  // a 5-bit weight's high bits [np / B, kw, B / 8], else null
 };
 
 // Scale and min of rows [n, n + 16) in group g.
@@ -76,20 +80,32 @@ static inline void prefetch_scales(const Args<S>& a, int64_t g, int64_t n0) {
 }
 
 // Group g of sub-blocks [sub0, sub0 + SUB) of a block (rows 16 * sub + [0, 16) and the same + B / 2)
-// for input rows [i0, i0 + MR): accumulate, then fold into racc ([rows][B], float32).
-template <int B, int SUB, int MR, typename S>
-static inline void pass(const Args<S>& a, const uint8_t* wb, int64_t n0, int64_t g, int sub0, int i0, float* racc) {
+// for input rows [i0, i0 + MR): accumulate, then fold into racc ([rows][B], float32). FIVE: hbb is
+// the block's high bits, 16 added to each nibble whose bit is set.
+template <int B, int SUB, int MR, bool FIVE, typename S>
+static inline void pass(const Args<S>& a, const uint8_t* wb, const uint8_t* hbb, int64_t n0, int64_t g, int sub0,
+                        int i0, float* racc) {
   F16 acc[MR][2 * SUB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < 2 * SUB; ++j) acc[i][j] = simd::zero();
   const int64_t k0 = g * a.gs;
   const uint8_t* p = wb + k0 * (B / 2) + 16 * sub0;
+  const uint8_t* hp = FIVE ? hbb + k0 * (B / 8) + 2 * sub0 : nullptr;
   const float* x = a.xf + i0 * a.kw + k0;
   const bool first = sub0 == 0 && i0 == 0;
   for (int64_t k = 0; k < a.gs; ++k, p += B / 2) {
     if (first) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
     F16 lo[SUB], hi[SUB];
     for (int s = 0; s < SUB; ++s) simd::from_nibbles(p + 16 * s, lo[s], hi[s]);
+    if constexpr (FIVE) {
+      for (int s = 0; s < SUB; ++s) {  // rows 16 s.. at bit 16 s, rows B / 2 + 16 s.. at B / 2 + 16 s
+        uint16_t l, h;
+        std::memcpy(&l, hp + 2 * s, 2);
+        std::memcpy(&h, hp + B / 16 + 2 * s, 2);
+        lo[s] = simd::add_where(lo[s], l, 16.f), hi[s] = simd::add_where(hi[s], h, 16.f);
+      }
+      hp += B / 8;
+    }
     for (int i = 0; i < MR; ++i) {
       const F16 xv = simd::set1(x[i * a.kw + k]);
       for (int s = 0; s < SUB; ++s) {
@@ -112,12 +128,13 @@ static inline void pass(const Args<S>& a, const uint8_t* wb, int64_t n0, int64_t
 }
 
 // All input rows, kPassRows at a time.
-template <int B, int SUB, int M, int I0, typename S>
-static inline void passes(const Args<S>& a, const uint8_t* wb, int64_t n0, int64_t g, int sub0, float* racc) {
+template <int B, int SUB, int M, int I0, bool FIVE, typename S>
+static inline void passes(const Args<S>& a, const uint8_t* wb, const uint8_t* hbb, int64_t n0, int64_t g, int sub0,
+                          float* racc) {
   if constexpr (I0 < M) {
     constexpr int mr = std::min(kPassRows, M - I0);
-    pass<B, SUB, mr, S>(a, wb, n0, g, sub0, I0, racc);
-    passes<B, SUB, M, I0 + mr, S>(a, wb, n0, g, sub0, racc);
+    pass<B, SUB, mr, FIVE, S>(a, wb, hbb, n0, g, sub0, I0, racc);
+    passes<B, SUB, M, I0 + mr, FIVE, S>(a, wb, hbb, n0, g, sub0, racc);
   }
 }
 
@@ -132,16 +149,17 @@ static inline void store_rows(const float* racc, int64_t blk, int64_t n, const X
     }
 }
 
-template <int B, int M, typename S, typename X>
+template <int B, int M, bool FIVE, typename S, typename X>
 void block(const Args<S>& a, int64_t blk, int64_t n, const X* bias, X* y, int64_t ys) {
   constexpr int sub = std::min(kSub, B / 32);
   alignas(64) float racc[M][B] = {};
   const uint8_t* wb = a.w + blk * a.kw * (B / 2);
+  const uint8_t* hbb = FIVE ? a.hb + blk * a.kw * (B / 8) : nullptr;
   const int64_t n0 = blk * B;
   // Group-major: a group's bytes (group_size * B / 2) stay in L1 across the passes.
   for (int64_t g = 0; g < a.groups; ++g) {
     prefetch_scales(a, g + 2, n0);
-    for (int s0 = 0; s0 < B / 32; s0 += sub) passes<B, sub, M, 0, S>(a, wb, n0, g, s0, &racc[0][0]);
+    for (int s0 = 0; s0 < B / 32; s0 += sub) passes<B, sub, M, 0, FIVE, S>(a, wb, hbb, n0, g, s0, &racc[0][0]);
   }
   store_rows<B, M, X>(&racc[0][0], blk, n, bias, y, ys);
 }
@@ -154,7 +172,30 @@ void block(const Args<S>& a, int64_t blk, int64_t n, const X* bias, X* y, int64_
 // where the float32 path takes 22 besides 8 FMAs. Then acc = X + Q / 16 (X = sum of x, Q = sum of
 // q * x over the group): the group adds 16 s * acc + (min - 16 s) * X.
 // Lanes hold rows in unpack order: vector v (0..3) lane l is row kDpRow[v] + l + (l >= 8 ? 8 : 0).
+// A 5-bit weight puts q in mantissa bits 2..6 (1 + q / 32, exact): the nibble at 2..5 and the
+// high bit at 6, set from the bit plane by a byte shuffle and a bit test per vector; the group
+// adds 32 s * acc + (min - 32 s) * X.
 constexpr int kDpRow[4] = {0, 8, 32, 40};
+
+// Per vector v: the byte shuffle that puts, in each 16-bit element (lane l, input k + t), the
+// bit-plane byte holding that row's bit (the 16 bytes of inputs k and k + 1, 8 each), and the
+// bit to test in it.
+struct DpBits {
+  alignas(64) uint8_t shuffle[4][64];
+  alignas(64) uint16_t bit[4][32];
+};
+static DpBits make_dp_bits() {
+  DpBits d{};
+  for (int v = 0; v < 4; ++v)
+    for (int e = 0; e < 32; ++e) {
+      const int l = e / 2, t = e % 2, row = kDpRow[v] + l + (l >= 8 ? 8 : 0);
+      d.shuffle[v][2 * e] = static_cast<uint8_t>(8 * t + row / 8);
+      d.shuffle[v][2 * e + 1] = 0x80;  // zero
+      d.bit[v][e] = static_cast<uint16_t>(1u << (row % 8));
+    }
+  return d;
+}
+static const DpBits kDpBits = make_dp_bits();
 
 // Scale and min of rows [n, n + 8) and [n + 16, n + 24) in group g (the dot-product lane order).
 template <typename S>
@@ -181,11 +222,18 @@ static inline void load_scales_dp(const Args<S>& a, int64_t g, int64_t n, __m512
   }
 }
 
-template <int M, typename S>
+template <int M, bool FIVE, typename S>
 void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
   const uint8_t* wb = a.w + blk * a.kw * 32;
+  const uint8_t* hbb = FIVE ? a.hb + blk * a.kw * 8 : nullptr;
   const int64_t n0 = blk * 64;
-  const __m512i keep = _mm512_set1_epi16(0x0078), one = _mm512_set1_epi16(0x3F80);
+  // The low nibble shifted up to mantissa bit 3 (4-bit: 1 + q / 16) or 2 (5-bit: 1 + q / 32).
+  constexpr int up = FIVE ? 2 : 3;
+  constexpr float unit = FIVE ? 32.f : 16.f;
+  const __m512i keep = _mm512_set1_epi16(FIVE ? 0x003C : 0x0078), one = _mm512_set1_epi16(0x3F80);
+  __m512i shuffle[4], bit[4];
+  if constexpr (FIVE)
+    for (int v = 0; v < 4; ++v) shuffle[v] = _mm512_load_si512(kDpBits.shuffle[v]), bit[v] = _mm512_load_si512(kDpBits.bit[v]);
   __m512 r[M][4];
   for (int i = 0; i < M; ++i)
     for (int v = 0; v < 4; ++v) r[i][v] = _mm512_setzero_ps();
@@ -203,10 +251,19 @@ void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
       const __m512i zu = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(b0, b1));
       const __m512i zv = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(b0, b1));
       __m512bh w[4];
-      w[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(zu, 3), keep, one, 0xEA);  // (a & b) | c
-      w[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(zv, 3), keep, one, 0xEA);
-      w[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(zu, 1), keep, one, 0xEA);
-      w[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(zv, 1), keep, one, 0xEA);
+      __m512i wi[4];
+      wi[0] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(zu, up), keep, one, 0xEA);  // (a & b) | c
+      wi[1] = _mm512_ternarylogic_epi32(_mm512_slli_epi16(zv, up), keep, one, 0xEA);
+      wi[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(zu, 4 - up), keep, one, 0xEA);
+      wi[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(zv, 4 - up), keep, one, 0xEA);
+      if constexpr (FIVE) {
+        const __m512i hb = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hbb + (k0 + k) * 8)));
+        for (int v = 0; v < 4; ++v) {
+          const __mmask32 set = _mm512_test_epi16_mask(_mm512_shuffle_epi8(hb, shuffle[v]), bit[v]);
+          wi[v] = _mm512_mask_add_epi16(wi[v], set, wi[v], _mm512_set1_epi16(0x0040));
+        }
+      }
+      for (int v = 0; v < 4; ++v) w[v] = (__m512bh)wi[v];
       for (int i = 0; i < M; ++i) {
         int32_t pair;
         std::memcpy(&pair, xb + i * a.kw + k0 + k, 4);
@@ -217,7 +274,7 @@ void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
     for (int v = 0; v < 4; ++v) {
       __m512 sc, mn;
       load_scales_dp(a, g, n0 + kDpRow[v], sc, mn);
-      const __m512 s16 = _mm512_mul_ps(sc, _mm512_set1_ps(16.f));
+      const __m512 s16 = _mm512_mul_ps(sc, _mm512_set1_ps(unit));
       mn = _mm512_sub_ps(mn, s16);
       for (int i = 0; i < M; ++i)
         r[i][v] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[i * a.groups + g]), _mm512_fmadd_ps(acc[i][v], s16, r[i][v]));
@@ -233,20 +290,20 @@ void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
 #endif
 
 // Rows [0, M) of block blk: the bf16 dot-product path where it applies, else the float32 one.
-template <int B, int M, typename S, typename X>
+template <int B, int M, bool FIVE, typename S, typename X>
 static inline void rows_of_block(const Args<S>& a, const uint16_t* xb, int64_t blk, int64_t n, const X* bias, X* y,
                                  int64_t ys) {
 #if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
   if constexpr (B == 64 && std::is_same_v<X, c10::BFloat16>) {
     if (xb != nullptr) {
       alignas(64) float racc[M * 64];
-      block_dp<M, S>(a, xb, blk, racc);
+      block_dp<M, FIVE, S>(a, xb, blk, racc);
       store_rows<B, M, X>(racc, blk, n, bias, y, ys);
       return;
     }
   }
 #endif
-  block<B, M, S, X>(a, blk, n, bias, y, ys);
+  block<B, M, FIVE, S, X>(a, blk, n, bias, y, ys);
 }
 
 // Input rows in chunks of kChunk (the registers hold that many rows' accumulators), per block: a
@@ -260,7 +317,7 @@ static inline void rows_of_block(const Args<S>& a, const uint16_t* xb, int64_t b
 // started cold.
 struct NoState {};
 
-template <int B, typename S, typename X>
+template <int B, bool FIVE, typename S, typename X>
 void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bias, X* y, int64_t ys) {
   const int64_t blocks = (n + B - 1) / B;  // padding blocks past n are skipped
   parallel_runs<NoState>(blocks, [&](int64_t blk, NoState&) {
@@ -270,10 +327,10 @@ void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bi
       const uint16_t* cx = xb != nullptr ? xb + i0 * a.kw : nullptr;
       X* cy = y + i0 * ys;
       switch (std::min<int64_t>(kChunk, m - i0)) {
-        case 1: rows_of_block<B, 1, S, X>(c, cx, blk, n, bias, cy, ys); break;
-        case 2: rows_of_block<B, 2, S, X>(c, cx, blk, n, bias, cy, ys); break;
-        case 3: rows_of_block<B, 3, S, X>(c, cx, blk, n, bias, cy, ys); break;
-        default: rows_of_block<B, 4, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        case 1: rows_of_block<B, 1, FIVE, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        case 2: rows_of_block<B, 2, FIVE, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        case 3: rows_of_block<B, 3, FIVE, S, X>(c, cx, blk, n, bias, cy, ys); break;
+        default: rows_of_block<B, 4, FIVE, S, X>(c, cx, blk, n, bias, cy, ys); break;
       }
     }
   });
@@ -292,7 +349,7 @@ static inline float group_sum(const float* v, int64_t n) {
 
 template <typename S, typename X>
 bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_min, int64_t gs,
-              int64_t block_rows, const std::optional<torch::Tensor>& bias, torch::Tensor& out) {
+              int64_t block_rows, const std::optional<torch::Tensor>& bias, torch::Tensor& out, const uint8_t* hb) {
   const int64_t m = x.size(0), k = x.size(1), kw = packed.size(1) * 2, groups = kw / gs, np = packed.size(0);
   // x widened once (and repeated for a two-nibble weight), with its group sums. Plain loops the
   // compiler vectorizes: at 32 rows this ran per element with a modulo and took ~15% of the op.
@@ -316,14 +373,14 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 #endif
   const uint16_t* xbp = xb.empty() ? nullptr : xb.data();
   const S* sm = scale_min.data_ptr<S>();
-  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np};
+  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np, hb};
   const X* bp = bias ? bias->data_ptr<X>() : nullptr;
   X* y = out.data_ptr<X>();
   const int64_t n = out.size(1), ys = out.stride(0);
   if (block_rows == 64) {
-    run<64, S, X>(a, xbp, m, n, bp, y, ys);
+    hb ? run<64, true, S, X>(a, xbp, m, n, bp, y, ys) : run<64, false, S, X>(a, xbp, m, n, bp, y, ys);
   } else {
-    run<32, S, X>(a, xbp, m, n, bp, y, ys);
+    hb ? run<32, true, S, X>(a, xbp, m, n, bp, y, ys) : run<32, false, S, X>(a, xbp, m, n, bp, y, ys);
   }
   return true;
 }
@@ -338,10 +395,12 @@ bool is_f32_or_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kFlo
 // twice over); scale_min [np / 64, kw / group_size, 2, 64] (scale, min of 64 rows; float32 or
 // float16: w = q * s + min)
 // or PyTorch's kernel's bfloat16 [kw / group_size, np, 2] (scale, zero: w = (q - 8) * s + zero);
-// bias [n] in x's dtype or None; out [m, n] in x's dtype, n <= np. False (nothing written) where it
+// bias [n] in x's dtype or None; out [m, n] in x's dtype, n <= np; hi_bits: a 5-bit weight's high
+// bits, uint8 [np / block_rows, k, block_rows / 8] (kw = k), or None. False (nothing written) where it
 // does not apply.
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
-                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out) {
+                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out,
+                       std::optional<torch::Tensor> hi_bits) {
 #if defined(ORBITAL_SIMD16)
   if (!x.device().is_cpu() || x.dim() != 2 || packed.dim() != 2 || out.dim() != 2) return false;
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), kw = packed.size(1) * 2, n = out.size(1);
@@ -358,11 +417,13 @@ bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scal
     return false;
   if (out.size(0) != m || n > np || out.stride(1) != 1 || out.scalar_type() != x.scalar_type()) return false;
   if (bias && (!bias->is_contiguous() || bias->numel() != n || bias->scalar_type() != x.scalar_type())) return false;
+  if (hi_bits && !valid_hi_bits(*hi_bits, np, kw, k, block_rows)) return false;
+  const uint8_t* hb = hi_bits ? hi_bits->data_ptr<uint8_t>() : nullptr;
   const auto with_x = [&](auto xt) {
     using X = decltype(xt);
-    if (pairs) return dispatch<c10::BFloat16, X>(x, packed, scale_min, group_size, block_rows, bias, out);
-    if (st == at::kHalf) return dispatch<at::Half, X>(x, packed, scale_min, group_size, block_rows, bias, out);
-    return dispatch<float, X>(x, packed, scale_min, group_size, block_rows, bias, out);
+    if (pairs) return dispatch<c10::BFloat16, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb);
+    if (st == at::kHalf) return dispatch<at::Half, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb);
+    return dispatch<float, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb);
   };
   return x.scalar_type() == at::kFloat ? with_x(float{}) : with_x(c10::BFloat16{});
 #else

@@ -3,6 +3,7 @@
 // block's scales for every group lie together. Planes [2, groups, np] put each group's on another
 // page (98 KB apart for a 49152-row head) and a one-row step spent ~20% of its time waiting on them.
 #pragma once
+#include <torch/types.h>
 #include <cstdint>
 
 constexpr int64_t kScaleRows = 64;
@@ -11,4 +12,11 @@ constexpr int64_t kScaleRows = 64;
 template <typename S>
 static inline const S* planes_at(const S* sm, int64_t groups, int64_t g, int64_t n) {
   return sm + ((n / kScaleRows) * groups + g) * 2 * kScaleRows + n % kScaleRows;
+}
+
+// A 5-bit weight's high-bit plane (int4_linear.cpp): uint8 [np / block_rows, k, block_rows / 8],
+// contiguous, beside nibbles of k inputs (no two-nibble weight has one).
+static inline bool valid_hi_bits(const torch::Tensor& hb, int64_t np, int64_t kw, int64_t k, int64_t block_rows) {
+  return hb.device().is_cpu() && hb.scalar_type() == at::kByte && hb.is_contiguous() && kw == k &&
+         hb.sizes() == at::IntArrayRef({np / block_rows, k, block_rows / 8});
 }

@@ -20,9 +20,10 @@ bool silu_and_mul(torch::Tensor x, torch::Tensor out);
 bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool small_linear_rows16(torch::Tensor x, torch::Tensor wp, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
-                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out);
+                       int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out,
+                       std::optional<torch::Tensor> hi_bits = std::nullopt);
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,
-                     torch::Tensor out);
+                     torch::Tensor out, std::optional<torch::Tensor> hi_bits = std::nullopt);
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);
 bool lora_bgmv(torch::Tensor x, torch::Tensor rows, torch::Tensor slots, torch::Tensor A, int64_t last,
                std::vector<torch::Tensor> bts, std::vector<int64_t> firsts, std::vector<int64_t> widths, int64_t R,

@@ -85,6 +85,11 @@ static inline void from_nibbles(const void* p, F16& lo, F16& hi) {
   lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
   hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
 }
+// a + c in the lanes whose bit is set in `bits` (bit i = lane i), a elsewhere: a 5-bit weight's
+// high bit (c = 16) on its decoded nibbles.
+static inline F16 add_where(F16 a, uint32_t bits, float c) {
+  return {_mm512_mask_add_ps(a.v, static_cast<__mmask16>(bits), a.v, _mm512_set1_ps(c))};
+}
 // Weights streamed once (few-row linear): AVX2 splits them into even and odd elements, see
 // there; one zmm needs no split, so the order is the natural one.
 constexpr bool kBf16Split = false;
@@ -233,6 +238,16 @@ static inline void from_nibbles(const void* p, F16& lo, F16& hi) {
   const __m256i m = _mm256_set1_epi32(15);
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(b0, m)), _mm256_cvtepi32_ps(_mm256_and_si256(b1, m))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4))};
+}
+// Lanes whose bit is set in the low 8 bits of `bits` as all-ones.
+static inline __m256 lanes_of_bits8(uint32_t bits) {
+  const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), sel), sel));
+}
+static inline F16 add_where(F16 a, uint32_t bits, float c) {
+  const __m256 cv = _mm256_set1_ps(c);
+  return {_mm256_add_ps(a.lo, _mm256_and_ps(lanes_of_bits8(bits & 255), cv)),
+          _mm256_add_ps(a.hi, _mm256_and_ps(lanes_of_bits8(bits >> 8), cv))};
 }
 // 16 bf16 weights as float32 with the even-indexed ones in .lo and the odd-indexed in .hi: one
 // 32-byte load, a shift and a mask, no widening shuffles (the few-row linear streams weights and

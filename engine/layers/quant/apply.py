@@ -7,7 +7,7 @@ import torch
 
 from engine.layers.quant.blocks import BlockQuantized, assemble
 from engine.layers.quant.cuda_int4 import pack_int4_cuda
-from engine.layers.quant.int4 import small_linear_ops
+from engine.layers.quant.int4 import five_bit_runs, small_linear_ops
 from engine.layers.quant.int4_format import group_size_for, pack_int4, quantize_groups, quantize_int4
 from engine.layers.quant.int8 import quantize_int8
 from engine.layers.quant.spec import QuantSpec
@@ -18,8 +18,8 @@ def has_blocks(param: torch.Tensor) -> bool:
 
 
 def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False) -> torch.Tensor:
-    """GGUF blocks the loader left on the parameter are packed as they are (8-bit values as two
-    nibbles, int4_format.py), or written out as float where float rows share the parameter; a
+    """GGUF blocks the loader left on the parameter are packed as they are (5-bit values as nibbles
+    and high bits where the CPU ops run them, other 8-bit values as two nibbles: int4_format.py), or written out as float where float rows share the parameter; a
     float weight is quantized per `spec` ("gguf": stays float).
     On CUDA int4 goes to tinygemm's pack (cuda_int4.py; `keep_rows`: an embedding's lookup
     needs plain rows too); int8 runs int8.py's kernels, or the int4 op as two nibbles where that
@@ -32,12 +32,15 @@ def quantize_param(param: torch.Tensor, spec: QuantSpec, keep_rows: bool = False
             return _as_float(param)
         if getattr(param, "has_float_rows", False) or (cuda and w.group not in CUDA_GROUPS):
             return _as_float(param)
-        q, scale, minimum = w.as_nibbles(split=w.bits == 8)
-        if cuda:
-            q, scale, minimum = (t.to(param.device) for t in (q, scale, minimum))
+        five = None if cuda or not five_bit_runs() else w.as_five_bits()
+        if five is not None:
+            nibbles, hi_bits, scale, minimum = five
+            packed = pack_int4(nibbles, scale, minimum, w.group, hi_bits=hi_bits)
+        elif cuda:
+            q, scale, minimum = (t.to(param.device) for t in w.as_nibbles(split=w.bits == 8))
             packed = pack_int4_cuda(q, scale, minimum, w.group, split=w.bits == 8, keep_rows=keep_rows)
         else:
-            packed = pack_int4(q, scale, minimum, w.group, split=w.bits == 8)
+            packed = pack_int4(*w.as_nibbles(split=w.bits == 8), w.group, split=w.bits == 8)
         packed.input_order = None if w.input_order is None else w.input_order.to(packed.device)
         return packed
     if spec.method == "int8":

@@ -102,6 +102,24 @@ class BlockQuantized:
             torch.cat([-8 * scale_hi, self.minimum], 1),  # the hi half's value 16 d hi is exact
         )
 
+    def as_five_bits(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(low nibbles, high bits, scale, min) for int4_format.pack_int4 where every row's values
+        span at most 32 (Q5_0's -16..15, Q5_1's and Q5_K's 0..31, or a 4-bit piece's 0..15 beside
+        them): each row's values are shifted by its least, q' = q - lo in 0..31, and its mins by
+        lo * scale, where that sum is exact in float32 (so that q' * scale + min' is the same
+        value). None where a row spans more (8-bit values) or a min would round."""
+        if self.bits != 8:
+            return None
+        q = self.q.to(torch.int16)
+        lo = q.amin(1, keepdim=True)
+        if int((q.amax(1, keepdim=True) - lo).max()) > 31:
+            return None
+        minimum = self.minimum + lo.float() * self.scale
+        if not torch.equal(minimum.double(), self.minimum.double() + lo.double() * self.scale.double()):
+            return None
+        q5 = (q - lo).to(torch.uint8)
+        return q5 & 15, q5 >> 4, self.scale, minimum
+
 
 def assemble(parts: list[tuple[int, BlockQuantized]], rows: int) -> BlockQuantized:
     """Row pieces (offset, block weight) of one parameter -> the whole [rows, K] in the widest

@@ -19,6 +19,9 @@ the op has no vector path.
 
 An LM head's logits go through the op at every row count (int4_logits): it keeps float32 sums.
 ORBITAL_INT4_SMALL_LINEAR=0 turns the op off.
+
+5-bit weights (int4_format.py `.hi_bits`) are packed only where the C++ ops take every row count
+(five_bit_runs): PyTorch's kernel has no high bits.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from engine.layers.quant.int4_format import pack_layout
+from engine.layers.quant.int4_format import dequantize_int4, pack_layout
 
 SMALL_ROWS = 16  # rows up to which int4_small_linear runs where the CPU has no bf16 dot products
 # Exact mode's op limit (the op's own, 64): on a 2-core AVX2 EPYC the op over a SmolLM2 step's 121
@@ -98,6 +101,13 @@ def _wide_ops(enabled: bool) -> ModuleType | None:
     return ops if enabled and ops is not None and _bf16_native(ops) else None
 
 
+def five_bit_runs() -> bool:
+    """Whether a 5-bit weight (nibbles plus high bits) runs here: the few-row op and, past it, the
+    widened GEMM (or exact mode's float32 one) read the high bits; else such values are packed as
+    two nibbles."""
+    return small_linear_ops() is not None and (exact_mode() or wide_gemm_ops() is not None)
+
+
 def small_rows() -> int:
     """Rows up to which int4_small_linear runs: below WIDE_ROWS where its bf16 dot-product path
     and the widened GEMM run (AVX-512 BF16: a 32-row decode step of SmolLM2 in 63 ms against 90
@@ -117,7 +127,16 @@ def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> to
     # kernel does flips some outputs by a bf16 step where the two sums differ in float32).
     xin = xb if x2.dtype == torch.bfloat16 else xb.to(x2.dtype)
     y = x2.new_empty(x2.shape[0], weight.out_features)
-    ok = ops.int4_small_linear(xin, weight, weight.scales_zeros_bf16, weight.group_size, pack_layout()[1], None, y)
+    ok = ops.int4_small_linear(
+        xin,
+        weight,
+        weight.scales_zeros_bf16,
+        weight.group_size,
+        pack_layout()[1],
+        None,
+        y,
+        getattr(weight, "hi_bits", None),
+    )
     return y if ok else None
 
 
@@ -130,7 +149,7 @@ def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None, s
         return None
     wide = torch.empty(x.shape[1], weight.out_features, dtype=x.dtype)
     sz = weight.scales_zeros_bf16 if scales is None else scales
-    if not ops.int4_dequantize(weight, sz, weight.group_size, pack_layout()[1], wide):
+    if not ops.int4_dequantize(weight, sz, weight.group_size, pack_layout()[1], wide, getattr(weight, "hi_bits", None)):
         return None
     return torch.mm(x, wide)
 
@@ -145,7 +164,9 @@ def _exact_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None
     if x2.shape[0] > EXACT_ROWS:
         return _widened_mm(x32, weight, ops, weight.scale_min)
     y = x32.new_empty(x2.shape[0], weight.out_features)
-    ok = ops.int4_small_linear(x32, weight, weight.scale_min, weight.group_size, pack_layout()[1], None, y)
+    ok = ops.int4_small_linear(
+        x32, weight, weight.scale_min, weight.group_size, pack_layout()[1], None, y, getattr(weight, "hi_bits", None)
+    )
     return y if ok else None
 
 
@@ -192,6 +213,10 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= small_rows() else None
         if y is None and wide_rows:
             y = _widened_mm(xb, weight, wide_gemm_ops())
+        if (
+            y is None and getattr(weight, "hi_bits", None) is not None
+        ):  # not reached where five_bit_runs() held at packing
+            y = torch.mm(xb, dequantize_int4(weight, torch.bfloat16).t())
         if y is None:
             if weight.two_nibbles:
                 xb = torch.cat([xb, xb], dim=-1)

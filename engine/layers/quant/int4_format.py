@@ -11,6 +11,11 @@ A "two_nibbles" weight carries 8-bit values as two nibbles (Q8_0: q = 16 * hi + 
 along the input dimension, so one int4 call over [x, x] computes it exactly: the hi half has
 scale 16 * d and min -128 * d, the lo half scale d and min 0.
 
+A 5-bit weight (GGUF's Q5_0, Q5_1, Q5_K: q in 0..31) is its low nibbles in that pack plus
+`.hi_bits`, a plane of the high bits laid out like the pack ([N / rows, K, rows / 8]: per block of
+rows and per input, bit r of the rows / 8 bytes is row r's): 5 bits a weight where two nibbles
+take 8. Only the C++ ops read it (int4.py: where they run every row count).
+
 `.scale_min` holds the exact scales and mins (float16 where that holds them exactly, as it does
 GGUF's) for dequantizing and exact mode, blocked by 64 rows ([N / 64, K'/g, 2, 64]): the C++ op
 streams a block's bytes and then its scales lie beside each other instead of one group's per
@@ -29,18 +34,25 @@ SCALE_ROWS = 64  # rows per block of `.scale_min` (the C++ ops' kScaleRows)
 
 
 def pack_int4(
-    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int, split: bool = False
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    group_size: int,
+    split: bool = False,
+    hi_bits: torch.Tensor | None = None,
 ) -> nn.Parameter:
-    """q: [N, K'] integers 0..15; scale, minimum: float [N, K' / group_size]. Returns the
+    """q: [N, K'] integers 0..15; scale, minimum: float [N, K' / group_size]; hi_bits: [N, K'] 0 or 1
+    (a 5-bit weight: its values are q + 16 * hi_bits), or None. Returns the
     kernel's parameter: packed uint8 [N, K' / 2] with `.scale_min` (the groups' scales and mins,
-    block_scales of [2, K'/g, N]), `.scales_zeros_bf16` (PyTorch's kernel's), `.group_size` and `.two_nibbles`
-    (K' = 2 * in_features: the two nibbles of 8-bit values)."""
+    block_scales of [2, K'/g, N]), `.scales_zeros_bf16` (PyTorch's kernel's), `.group_size`, `.two_nibbles`
+    (K' = 2 * in_features: the two nibbles of 8-bit values) and `.hi_bits` (pack_hi_bits, or None)."""
     n, k = q.shape
     if k % group_size:
         raise ValueError(f"int4 weight [{n}, {k}]: inputs must divide by the group size {group_size}")
     pad = -n % PACK_ROWS  # the pack works on blocks of 64 rows: zero rows (scale 0) fill the last
     if pad:
         q = torch.cat([q, q.new_zeros(pad, k)])
+        hi_bits = None if hi_bits is None else torch.cat([hi_bits, hi_bits.new_zeros(pad, k)])
         scale, minimum = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, minimum))
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     param = nn.Parameter(packed, requires_grad=False)
@@ -50,7 +62,31 @@ def pack_int4(
     param.scales_zeros_bf16 = zeros.to(torch.bfloat16).contiguous()
     param.group_size, param.two_nibbles, param.out_features = group_size, split, n
     param.input_order = None  # GPTQ act-order sets the column order (quant/apply.py)
+    param.hi_bits = None if hi_bits is None else pack_hi_bits(hi_bits)
     return param
+
+
+def pack_hi_bits(bits: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """[N, K] 0/1 (N a multiple of `rows`, by default the pack's) -> uint8 [N / rows, K, rows / 8]:
+    per block of rows and per input, bit r (byte r // 8, bit r % 8) is row r's."""
+    rows = rows or pack_layout()[1]
+    n, k = bits.shape
+    b = bits.to(torch.int32).view(n // rows, rows // 8, 8, k).permute(0, 3, 1, 2)  # [blocks, k, byte, bit]
+    return (b << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).contiguous()
+
+
+def unpack_hi_bits(packed_bits: torch.Tensor) -> torch.Tensor:
+    """pack_hi_bits' inverse: [N, K] uint8 0/1."""
+    blocks, k, nbytes = packed_bits.shape
+    b = (packed_bits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [blocks, k, byte, bit]
+    return b.permute(0, 2, 3, 1).reshape(blocks * nbytes * 8, k)
+
+
+def weight_values(weight: torch.Tensor) -> torch.Tensor:
+    """A packed weight's integers [N, K'] (0..15, or 0..31 with its high bits)."""
+    q = unpack_nibbles(weight.data)
+    hi = getattr(weight, "hi_bits", None)
+    return q if hi is None else q + 16 * unpack_hi_bits(hi)
 
 
 def block_scales(planes: torch.Tensor) -> torch.Tensor:
@@ -130,17 +166,10 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return _unpack(packed, pack_layout())
 
 
-def dequantize_packed(
-    packed: torch.Tensor, scale_min: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
-) -> torch.Tensor:
-    """Packed nibbles and their [2, K'/g, N] scales and mins -> the float weight [N, in_features]."""
-    return dequantize_groups(unpack_nibbles(packed), scale_min, group_size, split, dtype)
-
-
 def dequantize_groups(
     q: torch.Tensor, scale_min: torch.Tensor, group_size: int, split: bool, dtype: torch.dtype
 ) -> torch.Tensor:
-    """q [N, K'] 0..15 and their [2, K'/g, N] scales and mins -> the float weight [N, in_features]
+    """q [N, K'] 0..15 (0..31: 5-bit) and their [2, K'/g, N] scales and mins -> the float weight [N, in_features]
     (the two halves of a two-nibble weight summed)."""
     q = q.float()
     n, k = q.shape
@@ -152,7 +181,8 @@ def dequantize_groups(
 
 
 def dequantize_int4(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    w = dequantize_packed(weight.data, scale_planes(weight.scale_min), weight.group_size, weight.two_nibbles, dtype)
+    planes = scale_planes(weight.scale_min)
+    w = dequantize_groups(weight_values(weight), planes, weight.group_size, weight.two_nibbles, dtype)
     return w[: weight.out_features]
 
 
@@ -170,5 +200,8 @@ def embedding_int4(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) 
         col, high = inside // 2, inside % 2 == 1
     b = packs[(flat // block)[:, None], torch.arange(2 * half)[None, :], col[:, None]]  # [T, k]
     q = torch.where(high[:, None], b >> 4, b & 15)
+    if getattr(weight, "hi_bits", None) is not None:  # [blocks, k, block / 8]: row r at byte r // 8, bit r % 8
+        hb = weight.hi_bits[(flat // block)[:, None], torch.arange(2 * half)[None, :], (inside // 8)[:, None]]
+        q = q + 16 * ((hb >> (inside % 8).to(torch.uint8)[:, None]) & 1)
     w = dequantize_groups(q, row_scales(weight.scale_min, flat), weight.group_size, weight.two_nibbles, dtype)
     return w.reshape(*ids.shape, w.shape[-1])
