@@ -1,14 +1,20 @@
 """Engine configuration: frozen dataclasses checked at construction. Defaults shared with the
-user-facing settings come from EngineArgs (one place for each default)."""
+user-facing settings come from EngineArgs (one place for each default). No torch here: the
+serving layer's config (router/config.py) imports it, and its router replicas do not load torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.choices import KV_OFFLOAD_MEDIA, SCHEDULING_POLICIES
+from engine.choices import KV_CACHE_DTYPES, KV_OFFLOAD_MEDIA, SCHEDULING_POLICIES
 from engine.engine_args import CPU_KV_CACHE_BYTES, EngineArgs
 from engine.errors import InvalidRequestError
-from engine.layers.attention.kv_quant import check_kv_cache_dtype
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    if name not in KV_CACHE_DTYPES:
+        raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
+    return name
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from engine.pipeline import PPGroup
+from engine.pipeline_group import PPGroup
 
 
 @dataclass

@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
-
-import torch
+from typing import TypeVar
 
 from engine.errors import InvalidRequestError
 
@@ -46,27 +45,37 @@ class Watermark:
             raise InvalidRequestError(f"watermark delta must be a finite number >= 0, got {self.delta}", "watermark")
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values in [0, 2^32)."""
+Ints = TypeVar("Ints")  # a Python int or an int64 tensor
+
+
+def mix32(x: Ints) -> Ints:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of values in [0, 2^32): the same
+    arithmetic on Python ints (the detector, in a router replica without torch) and on int64
+    tensors (the sampler's batched green lists, engine/layers/watermark_mask.py); products stay
+    below 2^59, so neither overflows."""
     x = ((x >> 16) ^ x) * _MIX & _M32
     x = ((x >> 16) ^ x) * _MIX & _M32
     return (x >> 16) ^ x
 
 
-def green_mask(prev: torch.Tensor, keys: torch.Tensor, gammas: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, vocab] bool: each row's green list given its previous token `prev[r]`, key and gamma."""
-    seed = _mix((keys ^ _mix(prev & _M32)) & _M32)
-    tokens = torch.arange(vocab, dtype=torch.int64, device=prev.device)
-    h = _mix((seed.unsqueeze(1) ^ tokens.unsqueeze(0)) & _M32)
-    return h.to(torch.float64) < (gammas.to(torch.float64) * 2.0**32).unsqueeze(1)
+def green_seed(key: Ints, prev: Ints) -> Ints:
+    """The seed of the green list that follows token `prev` under `key`."""
+    return mix32((key ^ mix32(prev & _M32)) & _M32)
+
+
+def green_hash(seed: Ints, token: Ints) -> Ints:
+    """A token is green where this is below green_bound(gamma)."""
+    return mix32((seed ^ token) & _M32)
+
+
+def green_bound(gamma: float) -> float:
+    return gamma * 2.0**32
 
 
 def is_green(prev: list[int], tokens: list[int], wm: Watermark) -> list[bool]:
     """Whether each token is in its predecessor's green list (the detector's side)."""
-    p = torch.tensor(prev, dtype=torch.int64)
-    seed = _mix((wm.key ^ _mix(p & _M32)) & _M32)
-    h = _mix((seed ^ torch.tensor(tokens, dtype=torch.int64)) & _M32)
-    return (h.to(torch.float64) < wm.gamma * 2.0**32).tolist()
+    bound = green_bound(wm.gamma)
+    return [green_hash(green_seed(wm.key, p), t) < bound for p, t in zip(prev, tokens)]
 
 
 @dataclass

@@ -165,8 +165,8 @@ def test_no_second_spelling_of_a_vocabulary():
 def test_the_engine_refuses_what_the_vocabulary_leaves_out():
     import torch
 
+    from engine.config import check_kv_cache_dtype
     from engine.errors import InvalidRequestError
-    from engine.layers.attention.kv_quant import check_kv_cache_dtype
     from engine.layers.quant.spec import parse_quantization
     from engine.model_config import resolve_dtype
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed import TPGroup
-from engine.pipeline import PPGroup, make_pp_group
+from engine.pipeline_group import PPGroup, make_pp_group
 
 # Bounds a collective whose peer neither answers nor closes (a frozen process): the error
 # path for a dead or failed peer is the closed connection, not this timeout. Ranks sit in no

@@ -13,7 +13,7 @@ class RankRunner:
     device = None
     runner = None
     tp = None  # engine.distributed.TPGroup
-    pp = None  # engine.pipeline.PPGroup (pp > 1)
+    pp = None  # engine.pipeline_group.PPGroup (pp > 1)
 
     def _join(
         self, rank: int, tp: int, pp: int, layers: range | None, addr: str, port: int, store: object | None = None

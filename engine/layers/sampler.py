@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from engine.kernels.cpu_ops import load_cpu_ops
+from engine.layers.watermark_mask import green_mask
 from engine.outputs import TokenLogprob
 from engine.runner import host_to_device
 from engine.runner.sampling_metadata import SamplingMetadata
-from engine.watermark import green_mask
 
 _NEG_INF = float("-inf")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.pipeline import PPGroup
+from engine.pipeline_group import PPGroup
 
 
 class MissingLayer(nn.Module):

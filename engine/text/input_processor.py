@@ -7,7 +7,6 @@ import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.errors import InvalidRequestError, PromptTooLongError
-from engine.model_config import ModelConfig
 from engine.request import Request, child_request_ids
 from engine.sampling_params import SamplingParams
 from engine.structured.matcher import GrammarTokenizer
@@ -16,6 +15,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from engine.lora.request import LoRARequest
+    from engine.model_config import ModelConfig
 
 PromptInput = str | dict | Sequence[int]
 

@@ -14,7 +14,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.watermark import Watermark, detect, green_mask, is_green
+from engine.layers.watermark_mask import green_mask
+from engine.watermark import Watermark, detect, is_green
 
 WM = Watermark(key=123456789)
 PROMPTS = ["Once upon a time", "The weather today", "My favourite recipe is", "In the year 2050,"]

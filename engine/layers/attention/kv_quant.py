@@ -17,19 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.choices import KV_CACHE_DTYPES
 from engine.errors import InvalidRequestError
 
 SCALE_BYTES = 2
 _FP16_MAX = 65504.0
 _STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # a row's absmax maps to this
-
-
-def check_kv_cache_dtype(name: str) -> str:
-    if name not in KV_CACHE_DTYPES:
-        raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    return name
 
 
 def check_kv_backend(kv_cache_dtype: str, backend: str, device: torch.device) -> None:

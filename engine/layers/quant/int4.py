@@ -142,7 +142,7 @@ def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> to
 
 def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None, scales=None) -> torch.Tensor | None:
     """x times the packed weight widened once for this call to x's dtype (bf16: the kernel's
-    weight rounded; float32: exact, for 5- and 8-bit values with float32 activations, as int8.py runs
+    weight rounded; float32: exact, for 8-bit values with float32 activations, as int8.py runs
     int8 weights past its crossover, where the bf16 GEMM cost int8 perplexity +0.3%, and for every
     weight in exact mode, from its exact scales)."""
     if ops is None:
@@ -192,8 +192,10 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype. In exact mode
     (CPUs without native bf16) _exact_linear; else the C++ op at up to small_rows() rows, the
     widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's kernel, all with bf16
-    activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 5- and 8-bit (two-nibble)
-    weights with float32 activations take a float32 GEMM of the exact weight instead. The kernel runs with bfloat16
+    activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 8-bit (two-nibble) weights
+    with float32 activations take a float32 GEMM of the exact weight instead (5-bit ones do not:
+    a Q4_K_M file's perplexity moved -0.1% that way, +0.02% through the bf16 GEMM, and its
+    batched steps were 17% slower; `python -m bench.bench_quant`). The kernel runs with bfloat16
     activations at every row count: with float32 ones it takes a ~30x slower path at one row;
     with bf16, on a 3072x576 weight, it is 1.3 ms at 64 rows (float32 GEMM 1.8, dequantize +
     float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
@@ -202,9 +204,8 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if x2.is_cpu and x2.shape[0] > 0 and exact_mode():
         y = _exact_linear(x2, weight)
     wide_rows = x2.shape[0] >= WIDE_ROWS and x2.is_cpu
-    wider = weight.two_nibbles or getattr(weight, "hi_bits", None) is not None  # 5- or 8-bit values
-    if y is None and wide_rows and wider and x2.dtype == torch.float32:
-        y = _widened_mm(x2, weight, small_linear_ops(), weight.scale_min)  # float32 activations, exact weight
+    if y is None and wide_rows and weight.two_nibbles and x2.dtype == torch.float32:
+        y = _widened_mm(x2, weight, small_linear_ops(), weight.scale_min)  # 8-bit values, float32 activations
         if y is not None:
             if bias is not None:
                 y += bias
