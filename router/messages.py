@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.core.kv_events import KVEventBatch, KVSnapshot
-from engine.kv_transfer.blocks import KVLayout
 from engine.kv_transfer.peer_prefix import PeerPrefix
 from engine.lora.request import LoRARequest
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a type only: the router replicas that pass layouts on never load torch
+    from engine.kv_transfer.blocks import KVLayout
 
 
 @dataclass(frozen=True, slots=True)

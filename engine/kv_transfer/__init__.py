@@ -6,10 +6,5 @@ theirs read out (`exports.py`), the scheduler halves; a peer's cached blocks rea
 another engine (`cached_export.py`); the block contents read out of and written into the paged
 cache (`block_io.py`, the runner half), and the payload with its layout (`blocks.py`).
 Moving the payload between processes is the caller's business (router/replica/kv_transport.py).
+Import the modules themselves: the router reads `peer_prefix` without the torch the others load.
 """
-
-from engine.kv_transfer.awaiting_kv import KVLoadRequest
-from engine.kv_transfer.blocks import KVBlocks, KVLayout
-from engine.kv_transfer.config import KVTransferConfig
-
-__all__ = ["KVBlocks", "KVLayout", "KVLoadRequest", "KVTransferConfig"]

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
-from engine.kv_transfer import KVBlocks, KVLayout
+from engine.kv_transfer.blocks import KVBlocks, KVLayout
 from tests.engine.hf_reference import hf_greedy
 
 # Engines or Serve apps per test: `make test` runs them, `make test-fast` does not.

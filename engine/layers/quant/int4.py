@@ -194,8 +194,8 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's kernel, all with bf16
     activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 8-bit (two-nibble) weights
     with float32 activations take a float32 GEMM of the exact weight instead (5-bit ones do not:
-    a Q4_K_M file's perplexity moved -0.1% that way, +0.02% through the bf16 GEMM, and its
-    batched steps were 17% slower; `python -m bench.bench_quant`). The kernel runs with bfloat16
+    a Q4_K_M file's perplexity moved -0.1% from its float32 model's that way, 0.02% through the
+    bf16 GEMM, and its batched steps were 17% slower; `python -m bench.bench_quant`). The kernel runs with bfloat16
     activations at every row count: with float32 ones it takes a ~30x slower path at one row;
     with bf16, on a 3072x576 weight, it is 1.3 ms at 64 rows (float32 GEMM 1.8, dequantize +
     float32 GEMM 14.7) and 46.6 ms at 2048 (43.5, 49.9)."""
