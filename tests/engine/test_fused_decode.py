@@ -46,9 +46,9 @@ def _fused_expected(kw: dict) -> bool:
     return small_linear_ops() is not None and (not quantized or int4_small_linear_ops() is not None)
 
 
-def _generate(monkeypatch, fused: bool, prompts, params=None, **kw) -> tuple[list, list[int]]:
+def _generate(monkeypatch, fused: bool, prompts, params=None, check=None, **kw) -> tuple[list, list[int]]:
     """(per request: token ids, logprobs with their top-2), the rows of each step the fused call
-    ran."""
+    ran; `check(model)` (if given) asks what it wants of the loaded model."""
     monkeypatch.setenv("ORBITAL_FUSED_DECODE", "1" if fused else "0")
     ran = []
     real = FusedDecode.run
@@ -62,6 +62,8 @@ def _generate(monkeypatch, fused: bool, prompts, params=None, **kw) -> tuple[lis
     monkeypatch.setattr(FusedDecode, "run", counting)
     llm = LLM(num_threads=2, num_blocks=128, block_size=16, max_num_batched_tokens=64, **kw)
     model = llm.engine.core.executor.runner.model.model
+    if check is not None:
+        check(model)
     outs = llm.generate(prompts, params or _params(len(prompts)), use_tqdm=False)
     assert (model._fused is not None) == (fused and _fused_expected(kw))  # None: every step ran the layers
     got = [(o.outputs[0].token_ids, [(lp.token_id, lp.logprob, lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
@@ -167,16 +169,15 @@ def test_fused_decode_of_5_bit_weights(monkeypatch, tmp_path):
 
     path = write_gguf_subset(embedded_gguf_path(), tmp_path / "q5.gguf", 2, _q5_mix)
     kw = {"model": str(path), "quantization": "gguf"}
-    want, _ = _generate(monkeypatch, False, PROMPTS, **kw)
-    llm = LLM(num_threads=2, num_blocks=16, block_size=16, **kw)
-    try:
-        layer = llm.engine.core.executor.runner.model.model.layers[0]
+
+    def five_bit(model):
+        layer = model.layers[0]
         five = [
             getattr(m.weight, "hi_bits", None) is not None for m in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj)
         ]
-    finally:
-        llm.shutdown()
-    assert five == [five_bit_runs()] * 2
+        assert five == [five_bit_runs()] * 2
+
+    want, _ = _generate(monkeypatch, False, PROMPTS, check=five_bit, **kw)
     got, fused_steps = _generate(monkeypatch, True, PROMPTS, **kw)
     assert got == want
     if _fused_expected(kw):
