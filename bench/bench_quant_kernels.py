@@ -5,8 +5,8 @@ kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4
 to its 64-row limit; bf16 activations with PyTorch's bf16 scales as int4_linear runs it on
 AVX-512 BF16, and with the exact ones: float16 as a GGUF's are, float32 as int4 from float
 weights has them; float32 activations with float16 scales, as exact mode runs it), the weight
-widened per call (float32 from the exact scales, exact mode; bf16 on AVX-512 BF16) and
-dequantize + float32 GEMM. Median ms per step.
+widened per call (float32 from the exact scales, exact mode; bf16 on AVX-512 BF16), the op in
+chunks of 64 rows past its limit, and dequantize + float32 GEMM. Median ms per step.
 
     python -m bench.bench_quant_kernels --group 32 --rows 1 4 16 32 64 128 256 512
 """
@@ -87,6 +87,24 @@ def main(argv=None) -> None:
                         ],
                         a.reps,
                     )
+        if m > OP_ROWS and ops is not None and ops.isa() != "generic":
+            # The op over a prompt-sized step in chunks of its 64 rows (each chunk as it runs alone).
+            block = pack_layout()[1]
+            for name, (weights, attr, x) in {
+                "int4 op bf16 pairs, 64-row chunks": (i4, "scales_zeros_bf16", xb),
+                "int4 op exact f32 x, 64-row chunks": (i4_f16, "scale_min", xs),
+            }.items():
+                outs = [torch.empty(m, n, dtype=x[576].dtype) for n, k in shapes]
+                r[name] = median_time(
+                    lambda ws=weights, at=attr, x=x, outs=outs: [
+                        ops.int4_small_linear(
+                            x[k][c : c + OP_ROWS], w, getattr(w, at), a.group, block, None, o[c : c + OP_ROWS]
+                        )
+                        for w, (n, k), o in zip(ws, shapes, outs)
+                        for c in range(0, m, OP_ROWS)
+                    ],
+                    a.reps,
+                )
         if m >= 16:
             r["dequant+f32"] = median_time(
                 lambda: [F.linear(xs[k], dequantize_int4(w)) for w, (n, k) in zip(i4, shapes)], 3

@@ -2,14 +2,14 @@
 weight PyTorch's int4 kernel computes with, rounded to bf16 (its (q - 8) * scale is exact in
 float32, so one rounding is left), in both pack layouts, for a two-nibble (Q8_0) weight and for
 row counts off the pack's blocks; to float32 from the exact scale and min planes (exact mode),
-q * scale + min within one float32 rounding; and int4_linear's use of it from WIDE_ROWS rows."""
+q * scale + min within one float32 rounding; and int4_linear's use of it past CHUNKED_ROWS rows."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.layers.quant.blocks import BlockQuantized
-from engine.layers.quant.int4 import WIDE_ROWS, exact_mode, int4_linear, small_rows, wide_gemm_ops
+from engine.layers.quant.int4 import CHUNKED_ROWS, WIDE_ROWS, exact_mode, int4_linear, small_rows, wide_gemm_ops
 from engine.layers.quant.int4_format import (
     dequantize_int4,
     pack_int4,
@@ -18,7 +18,14 @@ from engine.layers.quant.int4_format import (
     scale_planes,
     unpack_nibbles,
 )
-from tests.engine.test_int4_small_linear import exact_wide, pack_rows, pack_rows32, pytorch_weight, with_f16_scales
+from tests.engine.test_int4_small_linear import (
+    exact_wide,
+    pack_rows,
+    pack_rows32,
+    pytorch_weight,
+    run_op,
+    with_f16_scales,
+)
 from tests.engine.test_small_linear import vector
 
 
@@ -135,26 +142,35 @@ def test_declines_what_it_does_not_cover(ops):
 
 
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
-def test_int4_linear_widens_from_wide_rows(ops, xdt, monkeypatch):
-    """From WIDE_ROWS rows int4_linear is the bf16 GEMM of the widened weight (bit-equal), where
-    the CPU multiplies bf16 natively; below, or with ORBITAL_INT4_WIDE_GEMM=0, PyTorch's kernel."""
+def test_int4_linear_widens_past_the_chunked_op(ops, xdt, monkeypatch):
+    """Up to CHUNKED_ROWS rows int4_linear is the op in chunks of its 64 rows (bit-equal to each
+    chunk alone), past them the bf16 GEMM of the widened weight (bit-equal), where the CPU
+    multiplies bf16 natively; with ORBITAL_INT4_WIDE_GEMM=0, PyTorch's kernel past small_rows()."""
     w = quantize_int4(torch.randn(200, 256), 64)
     bias = torch.randn(200).to(xdt)
     on = wide_gemm_ops() is not None
     assert on == (
         ops.isa() == "avx512_bf16" and pack_layout() == ("halves", 64) and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
-    for m in (WIDE_ROWS - 1, WIDE_ROWS, 300):
+    for m in (WIDE_ROWS - 1, WIDE_ROWS, CHUNKED_ROWS, CHUNKED_ROWS + 1, 300):
         x = torch.randn(m, 256).to(xdt)
         got = int4_linear(x, w, bias)
         ref = F.linear(x.float(), dequantize_int4(w), bias.float())
         torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
         wide = (x.bfloat16() @ widen(ops, w)).to(xdt) + bias if on else None
-        assert (on and m >= WIDE_ROWS) == (wide is not None and torch.equal(got, wide))
+        assert (on and m > CHUNKED_ROWS) == (wide is not None and torch.equal(got, wide))
+        if on and m <= CHUNKED_ROWS:
+            chunks = [run_op(ops, c.bfloat16().to(xdt), w, scale_min=w.scales_zeros_bf16) for c in x.split(64)]
+            assert torch.equal(got, torch.cat(chunks) + bias)
     monkeypatch.setenv("ORBITAL_INT4_WIDE_GEMM", "0")
     assert wide_gemm_ops() is None
-    if exact_mode():  # exact mode never runs PyTorch's kernel: past the op, the float32 GEMM of the exact weight
+    if (
+        exact_mode()
+    ):  # exact mode never runs PyTorch's kernel: past the op's chunks, the float32 GEMM of the exact weight
         x = torch.randn(small_rows() + 1, 256).to(xdt)
+        chunks = [run_op(ops, c.float(), w) for c in x.split(small_rows())]
+        assert torch.equal(int4_linear(x, w, bias), torch.cat(chunks).to(xdt) + bias)
+        x = torch.randn(CHUNKED_ROWS + 1, 256).to(xdt)
         assert torch.equal(int4_linear(x, w, bias), torch.mm(x.float(), exact_wide(ops, w)).to(xdt) + bias)
         return
     x = torch.randn(WIDE_ROWS, 256).to(xdt)
@@ -183,4 +199,8 @@ def test_an_int8_weight_with_float32_activations_stays_a_float32_gemm(ops):
     assert torch.equal(wide, exact.t())
     bias = torch.randn(200, generator=g)
     x = torch.randn(WIDE_ROWS + 9, 576, generator=g)
-    assert torch.equal(int4_linear(x, packed, bias), torch.mm(x, exact.t()) + bias)
+    if exact_mode():  # float32 sums of the exact weight through the op, in chunks of its rows
+        want = torch.cat([run_op(ops, c, packed) for c in x.split(small_rows())])
+    else:
+        want = torch.mm(x, exact.t())
+    assert torch.equal(int4_linear(x, packed, bias), want + bias)

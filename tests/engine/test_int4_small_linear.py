@@ -189,8 +189,8 @@ def exact_wide(ops, w):
 @pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
 def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
     """Up to small_rows() rows int4_linear is the op (bit-equal); in exact mode (no native bf16)
-    the op gets x unrounded and the exact scales, and more rows are the float32 GEMM of the
-    exactly widened weight (bit-equal), never PyTorch's bf16 kernel."""
+    the op gets x unrounded and the exact scales, more rows go through it in chunks of its rows
+    (bit-equal), never through PyTorch's bf16 kernel."""
     w = quantize_int4(torch.randn(100, 128), 32)
     bias = torch.randn(100).to(xdt)
     on = small_linear_ops() is not None
@@ -205,7 +205,8 @@ def test_int4_linear_takes_the_op_at_few_rows(ops, xdt, monkeypatch):
         ref = F.linear(x.float(), dequantize_int4(w), bias.float())
         torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
         if exact:
-            direct = run_op(ops, x.float(), w) if m <= limit else torch.mm(x.float(), exact_wide(ops, w))
+            # past the op's own rows, in chunks of them (up to CHUNKED_ROWS: test_int4_dequantize)
+            direct = torch.cat([run_op(ops, c.float(), w) for c in x.split(limit)])
             assert torch.equal(got, direct.to(xdt) + bias)
         elif on and m <= limit:  # bit-equal to the op: it ran, not PyTorch's kernel
             direct = run_op(ops, x.bfloat16().to(xdt), w, scale_min=w.scales_zeros_bf16) + bias

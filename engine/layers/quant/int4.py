@@ -2,18 +2,18 @@
 the C++ few-row op, a widened GEMM, or PyTorch's own CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`).
 
-Where the CPU multiplies bf16 natively (AVX-512 BF16), below WIDE_ROWS rows (decode steps, short
-prompt chunks) the C++ op `int4_small_linear` (kernels/cpu/int4_linear.cpp) runs, reading the
-packed nibbles in place, 1.1-1.3x faster than PyTorch's kernel over a decode step's linears at
-4-16 rows (`python -m bench.bench_quant_kernels`), 1.4x over a whole 32-row step; from WIDE_ROWS
-rows (prompt chunks) the weight is widened to bf16 once per call (kernels/cpu/int4_dequantize.cpp,
-the kernel's own weight rounded to bf16) for oneDNN's bf16 GEMM: 2.4x PyTorch's kernel at 512
-rows. The few-row op is given what that kernel computes with (bf16 activations, its bf16 scales
+Where the CPU multiplies bf16 natively (AVX-512 BF16), up to CHUNKED_ROWS rows (decode steps,
+prompt chunks) the C++ op `int4_small_linear` (kernels/cpu/int4_linear.cpp) runs, in chunks of its
+64 rows, reading the packed nibbles in place: 1.1-1.3x faster than PyTorch's kernel over a decode
+step's linears at 4-16 rows (`python -m bench.bench_quant_kernels`), 1.4x over a whole 32-row
+step, 1.1-1.4x the widened GEMM at 64-256 rows; past it the weight is widened to bf16 once per
+call (kernels/cpu/int4_dequantize.cpp, the kernel's own weight rounded to bf16) for oneDNN's bf16
+GEMM: 2.4x PyTorch's kernel at 512 rows. The few-row op is given what that kernel computes with (bf16 activations, its bf16 scales
 and zeros) and sums in float32: a row's result does not depend on how many rows share the call,
 so preemption's recompute and batching keep a sequence's greedy tokens.
 
 Elsewhere (AVX2, AVX-512 without BF16: exact_mode) a bf16 GEMM is emulated, so every path computes
-with the exact scales and mins and the activations as they are: the op up to small_rows() rows,
+with the exact scales and mins and the activations as they are: the op up to CHUNKED_ROWS rows,
 past it the weight widened exactly to float32 for a float32 GEMM. PyTorch's kernel runs only where
 the op has no vector path.
 
@@ -35,11 +35,19 @@ import torch
 from engine.layers.quant.int4_format import dequantize_int4, pack_layout
 
 SMALL_ROWS = 16  # rows up to which int4_small_linear runs where the CPU has no bf16 dot products
-# Exact mode's op limit (the op's own, 64): on a 2-core AVX2 EPYC the op over a SmolLM2 step's 121
-# linears beats the float32 GEMM of the widened weight at every row count up to it (16 rows: 59 vs
-# 136 ms with the widening, 64: 208 vs 463; `python -m bench.bench_quant_kernels`).
-EXACT_ROWS = 64
-WIDE_ROWS = 64  # rows from which the weight is widened to bf16 for oneDNN's GEMM (measured crossover)
+OP_ROWS = 64  # the op's own limit per call (int4_linear.cpp kMaxRows)
+# Exact mode's rows per op call (small_rows(); the op's own limit): on a 2-core AVX2 EPYC the op
+# over a SmolLM2 step's 121 linears beats the float32 GEMM of the widened weight at every row count
+# up to it (16 rows: 59 vs 136 ms with the widening, 64: 208 vs 463; `python -m bench.bench_quant_kernels`).
+EXACT_ROWS = OP_ROWS
+WIDE_ROWS = 64  # rows from which 8-bit weights with float32 activations take the float32 GEMM
+# Rows up to which int4_linear runs the op in chunks of OP_ROWS rows before it widens the weight
+# for a GEMM. A SmolLM2 step's linears on a 2-core Zen 4 (`python -m bench.bench_quant_kernels
+# --rows 64 128 256 512`): 64-row chunks take 54 / 110 / 220 / 504 ms at 64 / 128 / 256 / 512 rows
+# where the weight widened to bf16 per call takes 78 / 124 / 241 / 408; in exact mode 101 / 212 /
+# 417 / 859 against 284 / 294 / 617 / 940 widened to float32. Each chunk's rows are computed as
+# they would be alone, so a prompt's rows do not depend on what shares its step up to this count.
+CHUNKED_ROWS = 256
 
 
 def small_linear_ops() -> ModuleType | None:
@@ -118,6 +126,18 @@ def small_rows() -> int:
     return EXACT_ROWS if exact_mode() else SMALL_ROWS
 
 
+def _op_rows(ops: ModuleType, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """int4_small_linear over x's rows in chunks of OP_ROWS (into one output), or None where it
+    declines."""
+    y = x.new_empty(x.shape[0], weight.out_features)
+    hi_bits, rows = getattr(weight, "hi_bits", None), pack_layout()[1]
+    for c in range(0, x.shape[0], OP_ROWS):
+        part = slice(c, c + OP_ROWS)
+        if not ops.int4_small_linear(x[part], weight, scales, weight.group_size, rows, None, y[part], hi_bits):
+            return None
+    return y
+
+
 def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """int4_small_linear on rows x2 (xb: them in bf16), or None where it does not run."""
     ops = small_linear_ops() if x2.is_cpu else None
@@ -126,18 +146,7 @@ def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> to
     # float32 x: the kernel's bf16 values, result kept float32 (rounding it to bf16 as the
     # kernel does flips some outputs by a bf16 step where the two sums differ in float32).
     xin = xb if x2.dtype == torch.bfloat16 else xb.to(x2.dtype)
-    y = x2.new_empty(x2.shape[0], weight.out_features)
-    ok = ops.int4_small_linear(
-        xin,
-        weight,
-        weight.scales_zeros_bf16,
-        weight.group_size,
-        pack_layout()[1],
-        None,
-        y,
-        getattr(weight, "hi_bits", None),
-    )
-    return y if ok else None
+    return _op_rows(ops, xin, weight, weight.scales_zeros_bf16)
 
 
 def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None, scales=None) -> torch.Tensor | None:
@@ -156,18 +165,14 @@ def _widened_mm(x: torch.Tensor, weight: torch.Tensor, ops: ModuleType | None, s
 
 def _exact_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """Exact mode (exact_mode): float32 sums of x (widened to float32 if bf16, exactly) times the
-    exact weight, through the op up to EXACT_ROWS rows (small_rows() in exact mode, read here
-    without its environment lookups: this runs per linear), else a float32 GEMM of the weight
-    widened once; float32 [rows, out_features], or None where the op declines."""
+    exact weight, through the op up to CHUNKED_ROWS rows (in chunks of its EXACT_ROWS), else a
+    float32 GEMM of the weight widened once; float32 [rows, out_features], or None where the op
+    declines."""
     ops = small_linear_ops()
     x32 = x2.float()
-    if x2.shape[0] > EXACT_ROWS:
+    if x2.shape[0] > CHUNKED_ROWS:
         return _widened_mm(x32, weight, ops, weight.scale_min)
-    y = x32.new_empty(x2.shape[0], weight.out_features)
-    ok = ops.int4_small_linear(
-        x32, weight, weight.scale_min, weight.group_size, pack_layout()[1], None, y, getattr(weight, "hi_bits", None)
-    )
-    return y if ok else None
+    return _op_rows(ops, x32, weight, weight.scale_min)
 
 
 def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -190,8 +195,8 @@ def int4_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequantized weight, bias)` for a packed int4 weight, in x's dtype. In exact mode
-    (CPUs without native bf16) _exact_linear; else the C++ op at up to small_rows() rows, the
-    widened bf16 GEMM from WIDE_ROWS (wide_gemm_ops), else PyTorch's kernel, all with bf16
+    (CPUs without native bf16) _exact_linear; else the C++ op at up to CHUNKED_ROWS rows where the
+    widened bf16 GEMM runs past them (wide_gemm_ops; small_rows() elsewhere), else PyTorch's kernel, all with bf16
     activations and PyTorch's bf16 scales and zeros; from WIDE_ROWS, 8-bit (two-nibble) weights
     with float32 activations take a float32 GEMM of the exact weight instead (5-bit ones do not:
     a Q4_K_M file's perplexity moved -0.1% from its float32 model's that way, 0.02% through the
@@ -212,7 +217,8 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             return y.reshape(*x.shape[:-1], y.shape[-1])
     if y is None:
         xb = x2.to(torch.bfloat16)
-        y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= small_rows() else None
+        op_limit = CHUNKED_ROWS if wide_gemm_ops() is not None else small_rows()
+        y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= op_limit else None
         if y is None and wide_rows:
             y = _widened_mm(xb, weight, wide_gemm_ops())
         if (
