@@ -217,14 +217,13 @@ def int4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             return y.reshape(*x.shape[:-1], y.shape[-1])
     if y is None:
         xb = x2.to(torch.bfloat16)
-        op_limit = CHUNKED_ROWS if wide_gemm_ops() is not None else small_rows()
+        wide = wide_gemm_ops()  # asked once per call: it reads the environment
+        op_limit = CHUNKED_ROWS if wide is not None else small_rows()
         y = _few_rows_op(x2, xb, weight) if 0 < x2.shape[0] <= op_limit else None
         if y is None and wide_rows:
-            y = _widened_mm(xb, weight, wide_gemm_ops())
-        if (
-            y is None and getattr(weight, "hi_bits", None) is not None
-        ):  # not reached where five_bit_runs() held at packing
-            y = torch.mm(xb, dequantize_int4(weight, torch.bfloat16).t())
+            y = _widened_mm(xb, weight, wide)
+        if y is None and getattr(weight, "hi_bits", None) is not None:  # packed where five_bit_runs() held
+            y = torch.mm(xb, dequantize_int4(weight, torch.bfloat16).t())  # PyTorch's kernel reads no high bits
         if y is None:
             if weight.two_nibbles:
                 xb = torch.cat([xb, xb], dim=-1)
