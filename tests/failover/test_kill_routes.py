@@ -101,7 +101,7 @@ async def _n2(url: str, stream: bool, handle=None, pids=None) -> tuple[list[str]
             texts[choice.index] += choice.text
             finish[choice.index] = choice.finish_reason or finish[choice.index]
             chunks += 1
-            if handle is not None and chunks == MAX_TOKENS and not killed:
+            if handle is not None and chunks >= MAX_TOKENS and not killed:
                 killed = bool(await kill_replica_of(handle, ch.id, pids))
     return texts, finish, tokens
 
@@ -149,7 +149,7 @@ async def _structured(url: str, handle=None, pids=None) -> tuple[str, str]:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
             chunks += 1
-            if handle is not None and chunks == 10 and not killed:
+            if handle is not None and chunks >= 10 and not killed:
                 killed = bool(await kill_replica_of(handle, ch.id, pids))
     assert handle is None or killed
     return text, finish
