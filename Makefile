@@ -33,8 +33,9 @@ venv: $(STAMP) $(KSTAMP)
 run: $(STAMP) $(KSTAMP)
 	$(PY) -m router.cli serve --host 127.0.0.1 --port 8000
 
+# Two pytest-xdist workers, the longest work units first (tests/conftest.py groups and orders them).
 test: $(STAMP) $(KSTAMP) $(KLOWER)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder tests
 
 # Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.
 lint: $(STAMP)
