@@ -35,7 +35,7 @@ run: $(STAMP) $(KSTAMP)
 
 # Two pytest-xdist workers, the longest work units first (tests/conftest.py groups and orders them).
 test: $(STAMP) $(KSTAMP) $(KLOWER)
-	$(PY) -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder tests
+	$(PY) -m pytest -q -n 2 --no-loadscope-reorder tests
 
 # Lint and format check (ruff, configured in pyproject.toml); CI runs it before the tests.
 lint: $(STAMP)

@@ -22,35 +22,44 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # run after all others and back to back, so that the cluster starts once per run.
 SHARED_SERVE_PACKAGES = ("disagg", "e2e", "failover", "router", "routing")
 
-# Under `make test` the suite runs on two pytest-xdist workers (--dist loadgroup): each work unit
-# runs whole on one worker, each worker with its own Ray. A package whose fixtures are
-# package-scoped apps is one unit (its apps start once); any other file is a unit of its own.
+# Under `make test` the suite runs on two pytest-xdist workers: each work unit runs whole on one
+# worker, each worker with its own Ray. A package whose fixtures are package-scoped apps is one
+# unit (its apps start once); any other file is a unit of its own.
 WHOLE_PACKAGES = ("router", "disagg", "failover", "routing")
 # Units are handed out in collection order, so the longest go first (a short unit ends the run):
 # these packages in this order (the longest-running first), then the slow-marked files, then the rest.
 PARALLEL_ORDER = ("router", "cluster", "disagg", "failover", "workers", "routing", "e2e")
 
 
-def _package(item) -> str:
-    return item.nodeid.split("/")[1] if item.nodeid.count("/") >= 2 else ""
+def _package(nodeid: str) -> str:
+    return nodeid.split("/")[1] if nodeid.count("/") >= 2 else ""
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist names each item's group
+def _work_unit(nodeid: str) -> str:
+    package = _package(nodeid)
+    return package if package in WHOLE_PACKAGES else nodeid.split("::")[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("dist", "no") == "no":
-        items.sort(key=lambda i: SHARED_SERVE_PACKAGES.index(_package(i)) + 1 if _package(i) in SHARED_SERVE_PACKAGES else 0)
-        return  # stable: the order inside a package is pytest's
-    for item in items:
-        package = _package(item)
-        item.add_marker(pytest.mark.xdist_group(package if package in WHOLE_PACKAGES else item.nodeid.split("::")[0]))
-
     def rank(item) -> int:
-        package = _package(item)
+        package = _package(item.nodeid)
+        if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: the shared Serve packages last
+            return SHARED_SERVE_PACKAGES.index(package) + 1 if package in SHARED_SERVE_PACKAGES else 0
         if package in PARALLEL_ORDER:
             return PARALLEL_ORDER.index(package)
         return len(PARALLEL_ORDER) + (0 if item.get_closest_marker("slow") else 1)
 
-    items.sort(key=rank)
+    items.sort(key=rank)  # stable: the order inside a package is pytest's
 
 
 _FILE_SECONDS: dict[str, float] = {}  # test file -> its tests' setup + call + teardown seconds
