@@ -12,8 +12,7 @@ import pytest
 import torch
 
 # Several agents/replicas on 2 cores: keep each process explicit and small.
-# Two xdist workers share the 2 cores: one thread each.
-torch.set_num_threads(int(os.environ.get("ORBITAL_TEST_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
+torch.set_num_threads(int(os.environ.get("ORBITAL_TEST_THREADS", "2")))  # under xdist: per test, below
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
@@ -22,22 +21,15 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # run after all others and back to back, so that the cluster starts once per run.
 SHARED_SERVE_PACKAGES = ("disagg", "e2e", "failover", "router", "routing")
 
-# Under `make test` the suite runs on two pytest-xdist workers: each work unit runs whole on one
-# worker, each worker with its own Ray. A package whose fixtures are package-scoped apps is one
-# unit (its apps start once); any other file is a unit of its own.
-WHOLE_PACKAGES = ("router", "disagg", "failover", "routing")
-# Units are handed out in collection order, so the longest go first (a short unit ends the run):
-# these packages in this order (the longest-running first), then the slow-marked files, then the rest.
-PARALLEL_ORDER = ("router", "cluster", "disagg", "failover", "workers", "routing", "e2e")
+# Under `make test` the suite runs on two pytest-xdist workers. The packages that start Ray are
+# one work unit, run in the one-process order on one worker: their processes keep both cores busy
+# much of the time, and two Ray clusters at once ran slower than one. The other worker takes the
+# rest file by file (the slow-marked first, so that a short file ends the run) on one thread.
+RAY_PACKAGES = ("workers", "cluster") + SHARED_SERVE_PACKAGES
 
 
 def _package(nodeid: str) -> str:
     return nodeid.split("/")[1] if nodeid.count("/") >= 2 else ""
-
-
-def _work_unit(nodeid: str) -> str:
-    package = _package(nodeid)
-    return package if package in WHOLE_PACKAGES else nodeid.split("::")[0]
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -45,7 +37,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _work_unit(nodeid)
+            return "ray" if _package(nodeid) in RAY_PACKAGES else nodeid.split("::")[0]
 
     return WorkUnitScheduling(config, log)
 
@@ -53,13 +45,18 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         package = _package(item.nodeid)
-        if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: the shared Serve packages last
-            return SHARED_SERVE_PACKAGES.index(package) + 1 if package in SHARED_SERVE_PACKAGES else 0
-        if package in PARALLEL_ORDER:
-            return PARALLEL_ORDER.index(package)
-        return len(PARALLEL_ORDER) + (0 if item.get_closest_marker("slow") else 1)
+        if package in SHARED_SERVE_PACKAGES:  # after the others, so the shared cluster starts once
+            return 1 + SHARED_SERVE_PACKAGES.index(package)
+        if not os.environ.get("PYTEST_XDIST_WORKER") or package in RAY_PACKAGES:
+            return 0
+        return 1 + len(SHARED_SERVE_PACKAGES) + (0 if item.get_closest_marker("slow") else 1)
 
     items.sort(key=rank)  # stable: the order inside a package is pytest's
+
+
+def pytest_runtest_setup(item):
+    if os.environ.get("PYTEST_XDIST_WORKER") and "ORBITAL_TEST_THREADS" not in os.environ:
+        torch.set_num_threads(2 if _package(item.nodeid) in RAY_PACKAGES else 1)
 
 
 _FILE_SECONDS: dict[str, float] = {}  # test file -> its tests' setup + call + teardown seconds
