@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator
 
@@ -31,6 +30,7 @@ from router.ingress.failover import moves_request
 from router.ingress.lora_adapters import LoRAAdapters
 from router.ingress.openai_api import OpenAIServing
 from router.ingress.openai_models import ModelCard, ModelList
+from router.ingress.streams import prepend
 from router.ingress.tgi_api import TGIServing
 from router.ingress.tokenize_api import detokenize, tokenize
 from router.tiering.features import request_features
@@ -166,13 +166,6 @@ def is_overloaded(exc: BaseException) -> bool:
     return False
 
 
-async def _prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:
-    async with aclosing(rest):
-        yield first
-        async for item in rest:
-            yield item
-
-
 async def _empty() -> AsyncIterator:
     return
     yield
@@ -190,7 +183,7 @@ async def _started(result: Any) -> Any:
     except BaseException:
         await result.aclose()
         raise
-    return _prepend(first, result)
+    return prepend(first, result)
 
 
 def overflow_cause(exc: BaseException) -> str | None:

@@ -29,6 +29,7 @@ from router.ingress.responses_models import (
     MessageItem,
     ResponsesRequest,
 )
+from router.ingress.streams import prepend
 
 Chat = Callable[[dict, "str | None"], Awaitable[Any]]
 
@@ -149,12 +150,6 @@ def _assistant_turn(text: str | None, calls: list[dict]) -> dict:
     if calls:
         turn["tool_calls"] = [{"id": c["id"], "type": "function", "function": dict(c["function"])} for c in calls]
     return turn
-
-
-async def _prepend(first: dict, rest: AsyncIterator[dict]) -> AsyncIterator[dict]:
-    yield first
-    async for item in rest:
-        yield item
 
 
 class ResponsesAPI:
@@ -314,7 +309,7 @@ class ResponsesAPI:
 
         try:
             async with aclosing(rest):
-                async for chunk in _prepend(first, rest):
+                async for chunk in prepend(first, rest):
                     usage = chunk.get("usage") or usage
                     for c in chunk["choices"][:1]:
                         delta = c["delta"]

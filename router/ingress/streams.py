@@ -1,14 +1,16 @@
-"""Helpers over async iterators of RequestOutput: run several to completion, or interleave them."""
+"""Helpers over async iterators: run several streams of RequestOutput to completion or interleave
+them; put back a stream's first item once it has been read."""
 
 from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeVar
 
 from engine.outputs import RequestOutput
 
 _END = object()
+T = TypeVar("T")
 
 
 async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -75,3 +77,11 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tu
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`first`, then the rest of the stream it was read from (closed with this one)."""
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item

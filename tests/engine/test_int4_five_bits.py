@@ -24,7 +24,7 @@ from engine.layers.quant.int4_format import (
     weight_values,
 )
 from engine.layers.weight_utils import copy_rows_into
-from tests.engine.test_int4_small_linear import assert_matches, pack_rows, run_op
+from tests.engine.test_int4_small_linear import assert_matches, pack_rows, pytorch_weight, run_op
 from tests.engine.test_small_linear import vector
 
 
@@ -39,15 +39,6 @@ def _q5_0(n: int, k: int, seed: int) -> BlockQuantized:
 def _five_bit(blocks: BlockQuantized) -> torch.nn.Parameter:
     nibbles, hi_bits, scale, minimum = blocks.as_five_bits()
     return pack_int4(nibbles, scale, minimum, blocks.group, hi_bits=hi_bits)
-
-
-def _pairs_weight(w: torch.Tensor) -> torch.Tensor:
-    """What the op computes with given PyTorch's bf16 (scale, zero) pairs: (q - 8) * s + z."""
-    q = weight_values(w).float()
-    n, k = q.shape
-    sz = w.scales_zeros_bf16.float()
-    s, z, g = sz[..., 0].t(), sz[..., 1].t(), w.group_size
-    return ((q.view(n, k // g, g) - 8) * s[..., None] + z[..., None]).view(n, k)[: w.out_features]
 
 
 def test_the_bit_plane_and_the_values_round_trip():
@@ -94,7 +85,7 @@ def test_op_matches_the_exact_weight(ops, m, n, k, xdt, scales):
     if not vector(ops):
         assert out is None
         return
-    assert_matches(out, x, blocks.dequantize() if scales == "exact" else _pairs_weight(w), None)
+    assert_matches(out, x, blocks.dequantize() if scales == "exact" else pytorch_weight(w), None)
 
 
 @pytest.mark.parametrize("block_rows", [64, 32])
@@ -133,7 +124,7 @@ def test_widening_for_prompt_steps(ops, out_dtype, scales):
     if not ops.int4_dequantize(w, sz, 32, pack_layout()[1], wide, w.hi_bits):
         assert not vector(ops)
         return
-    want = blocks.dequantize() if scales == "exact" else _pairs_weight(w)
+    want = blocks.dequantize() if scales == "exact" else pytorch_weight(w)
     assert torch.equal(wide.t(), want.to(out_dtype))  # one rounding, to out's dtype, of a float32 value
 
 

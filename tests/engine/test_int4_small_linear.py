@@ -31,6 +31,7 @@ from engine.layers.quant.int4_format import (
     quantize_int4,
     scale_planes,
     unpack_nibbles,
+    weight_values,
 )
 from engine.layers.quant.int8 import quantize_int8
 from tests.engine.test_small_linear import vector
@@ -106,8 +107,9 @@ def test_op_two_nibbles_q8_0(ops, m, xdt):
 
 
 def pytorch_weight(w):
-    """The weight PyTorch's kernel computes with: (q - 8) * scale + zero, both rounded to bf16."""
-    q = unpack_nibbles(w.data).float()
+    """The weight PyTorch's kernel computes with: (q - 8) * scale + zero, both rounded to bf16
+    (q 0..15, or 0..31 with a 5-bit weight's high bits)."""
+    q = weight_values(w).float()
     n, k = q.shape
     sz = w.scales_zeros_bf16.float()
     s, z = sz[..., 0].t(), sz[..., 1].t()
