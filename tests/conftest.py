@@ -21,11 +21,14 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # run after all others and back to back, so that the cluster starts once per run.
 SHARED_SERVE_PACKAGES = ("disagg", "e2e", "failover", "router", "routing")
 
-# Under `make test` the suite runs on two pytest-xdist workers. The packages that start Ray are
-# one work unit, run in the one-process order on one worker: their processes keep both cores busy
-# much of the time, and two Ray clusters at once ran slower than one. The other worker takes the
-# rest file by file (the slow-marked first, so that a short file ends the run) on one thread.
-RAY_PACKAGES = ("workers", "cluster") + SHARED_SERVE_PACKAGES
+# Under `make test` the suite runs on two pytest-xdist workers. Each worker runs Ray at most once
+# at a time, and the two together as little as possible (two clusters at once ran much slower
+# than one): the packages that deploy onto the shared Serve cluster are one work unit, run in the
+# one-process order; the Ray packages with clusters of their own are another, handed out last; the
+# other files are a unit each, the slow-marked first. One worker starts the Serve unit while the
+# other runs the files and then the last unit (threads: pytest_runtest_setup).
+OWN_RAY_PACKAGES = ("workers", "cluster")
+RAY_PACKAGES = OWN_RAY_PACKAGES + SHARED_SERVE_PACKAGES
 
 
 def _package(nodeid: str) -> str:
@@ -37,7 +40,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class WorkUnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "ray" if _package(nodeid) in RAY_PACKAGES else nodeid.split("::")[0]
+            package = _package(nodeid)
+            if package in SHARED_SERVE_PACKAGES:
+                return "serve"
+            return "own-ray" if package in OWN_RAY_PACKAGES else nodeid.split("::")[0]
 
     return WorkUnitScheduling(config, log)
 
@@ -45,13 +51,24 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     def rank(item) -> int:
         package = _package(item.nodeid)
-        if package in SHARED_SERVE_PACKAGES:  # after the others, so the shared cluster starts once
-            return 1 + SHARED_SERVE_PACKAGES.index(package)
-        if not os.environ.get("PYTEST_XDIST_WORKER") or package in RAY_PACKAGES:
-            return 0
-        return 1 + len(SHARED_SERVE_PACKAGES) + (0 if item.get_closest_marker("slow") else 1)
+        if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: the shared Serve packages last
+            return 1 + SHARED_SERVE_PACKAGES.index(package) if package in SHARED_SERVE_PACKAGES else 0
+        if package in SHARED_SERVE_PACKAGES:
+            return SHARED_SERVE_PACKAGES.index(package)
+        if package in OWN_RAY_PACKAGES:
+            return len(SHARED_SERVE_PACKAGES) + 2
+        return len(SHARED_SERVE_PACKAGES) + (0 if item.get_closest_marker("slow") else 1)
 
     items.sort(key=rank)  # stable: the order inside a package is pytest's
+
+
+def pytest_configure(config):
+    """xdist's workers start with this process's environment, where `import engine` has set the
+    offline OpenMP wait: without it they (and their Ray) pick their own, as a fresh process does."""
+    from engine import USER_OMP_WAIT
+
+    if config.getoption("numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER") and not USER_OMP_WAIT:
+        os.environ.pop("GOMP_SPINCOUNT", None)
 
 
 def pytest_runtest_setup(item):
