@@ -69,5 +69,8 @@ def test_long_stop_strings_do_not_stall_other_streams(base_url):
     )
     assert 400 in answers and 200 in answers  # refused past the cap, served at it
     # The attackers' own tokens share the engines (two more sequences in the batch): a few times
-    # the gap alone, not the ~0.7 s per step the quadratic check cost.
-    assert max(attacked) < max(4 * max(alone), 0.5), (alone, attacked)
+    # the gap alone, not the ~0.7 s per step the quadratic check cost, which every step of the
+    # attack paid. The 90th percentile, not the max: one gap may hold a refused 3 MB body's parse
+    # or a neighbour process's burst on these 2 cores.
+    p90 = statistics.quantiles(attacked, n=10)[-1]
+    assert p90 < max(4 * max(alone), 0.5), (alone, attacked)
