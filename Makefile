@@ -33,7 +33,8 @@ venv: $(STAMP) $(KSTAMP)
 run: $(STAMP) $(KSTAMP)
 	$(PY) -m router.cli serve --host 127.0.0.1 --port 8000
 
-# Two pytest-xdist workers, the longest work units first (tests/conftest.py groups and orders them).
+# Two pytest-xdist workers; tests/conftest.py makes the work units (the Serve packages, the other
+# files, the Ray packages with clusters of their own) and hands them out in that order.
 test: $(STAMP) $(KSTAMP) $(KLOWER)
 	$(PY) -m pytest -q -n 2 --no-loadscope-reorder tests
 
