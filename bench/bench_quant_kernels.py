@@ -2,8 +2,8 @@
 qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights come from
 memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), PyTorch's int4
 kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4_linear.cpp, up
-to its 64-row limit; bf16 activations with PyTorch's bf16 scales as int4_linear runs it on
-AVX-512 BF16, and with the exact ones: float16 as a GGUF's are, float32 as int4 from float
+to its 64-row limit; bf16 activations with PyTorch's bf16 scales, in its layout and blocked by 64
+rows as int4_linear runs it on AVX-512 BF16 (int4.op_pairs), and with the exact ones: float16 as a GGUF's are, float32 as int4 from float
 weights has them; float32 activations with float16 scales, as exact mode runs it), the weight
 widened per call (float32 from the exact scales, exact mode; bf16 on AVX-512 BF16), the op in
 chunks of 64 rows past its limit, and dequantize + float32 GEMM. Median ms per step.
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from bench.timing import median_time
 from engine.kernels.cpu_ops import load_cpu_ops
 from engine.layers.packed_gemm import linear, pack_weight
+from engine.layers.quant.int4 import op_pairs
 from engine.layers.quant.int4_format import (
     dequantize_int4,
     pack_int4,
@@ -48,6 +49,8 @@ def main(argv=None) -> None:
     i8 = [quantize_int8(w) for w in ws]
     i4 = [quantize_int4(w, a.group) for w in ws]
     i4_f16 = [f16_scales(w) for w in i4]
+    for w in i4:
+        op_pairs(w)  # made on first use as int4_linear does: here before timing
     int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     ops = load_cpu_ops()
     for m in a.rows:
@@ -72,6 +75,7 @@ def main(argv=None) -> None:
             block = pack_layout()[1]
             columns = {  # the op's scales: PyTorch's bf16 pairs (int4_linear on AVX-512 BF16), exact ones
                 "int4 op bf16 pairs": (i4, "scales_zeros_bf16", xb),
+                "int4 op bf16 pairs blocked": (i4, "op_pairs", xb),
                 "int4 op f16 scales": (i4_f16, "scale_min", xb),
                 "int4 op f32 scales": (i4, "scale_min", xb),
                 "int4 op exact f32 x": (i4_f16, "scale_min", xs),  # exact mode (int4.exact_mode)

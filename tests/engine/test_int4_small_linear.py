@@ -20,6 +20,7 @@ from engine.layers.quant.int4 import (
     exact_mode,
     int4_linear,
     int4_logits,
+    op_pairs,
     small_linear_ops,
     small_rows,
     wide_gemm_ops,
@@ -267,3 +268,36 @@ def test_an_8bit_head_keeps_float32_logits_where_the_op_runs(ops):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
         assert not torch.equal(y, y.bfloat16().float())  # not rounded to bf16
         assert torch.equal(y[-1:], int4_logits(x[-1:], head))  # a row's logits alone
+
+
+@pytest.mark.parametrize("block_rows", [64, 32])
+@pytest.mark.parametrize("xdt", [torch.float32, torch.bfloat16])
+def test_pairs_blocked_by_64_rows_give_the_same_output(ops, xdt, block_rows):
+    """int4_linear hands the op PyTorch's bf16 pairs blocked by 64 rows (op_pairs: its layout
+    read a group's pairs from another page each time); the op's output is the one it gives with
+    the pairs in PyTorch's layout, bit for bit, at every row count and for an 8-bit (two-nibble)
+    weight too."""
+    g = torch.Generator().manual_seed(11)
+    weights = [
+        quantize_int4(torch.randn(200, 576, generator=g), 32),
+        quantize_param(torch.randn(130, 576, generator=g) * 0.05, QuantSpec("int8")),
+    ]
+    for w in weights:
+        if w.dtype != torch.uint8:  # no op here: the head stays int8
+            assert small_linear_ops() is None
+            return
+        packed = torch.nn.Parameter(pack_rows(unpack_nibbles(w.data), block_rows), requires_grad=False)
+        packed.__dict__.update(
+            {a: w.__dict__[a] for a in ("scales_zeros_bf16", "group_size", "two_nibbles", "out_features")}
+        )
+        blocked = op_pairs(packed)
+        groups, rows, _ = w.scales_zeros_bf16.shape
+        assert blocked.shape == (rows // 64, groups, 64, 2)
+        assert op_pairs(packed) is blocked  # made once
+        for m in (1, 3, 4, 7, 33):
+            x = torch.randn(m, 576, generator=g).to(xdt)
+            theirs = run_op(ops, x, packed, block_rows=block_rows, scale_min=packed.scales_zeros_bf16)
+            if theirs is None:
+                assert not vector(ops)
+                return
+            assert torch.equal(run_op(ops, x, packed, block_rows=block_rows, scale_min=blocked), theirs)

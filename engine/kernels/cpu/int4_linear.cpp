@@ -47,9 +47,10 @@ struct Args {
   const float* xf;    // [m, kw] activations as float32 (x twice over for a two-nibble weight)
   const float* xsum;  // [m, groups]: sums of xf over each group
   const uint8_t* w;   // packed [np / B, kw, B / 2]
-  const S* scale;     // blocked planes (pairs: [groups, np, 2])
+  const S* scale;     // blocked planes (pairs: [groups, np, 2] or blocked, int4_scales.h pairs_at)
   int64_t kw, groups, gs, np;
   const uint8_t* hb;  // a 5-bit weight's high bits [np / B, kw, B / 8], else null
+  bool blocked;       // pairs blocked by 64 rows (int4_scales.h pairs_at)
 };
 
 // Scale and min of rows [n, n + 16) in group g.
@@ -57,7 +58,7 @@ template <typename S>
 static inline void load_scales(const Args<S>& a, int64_t g, int64_t n, F16& sc, F16& mn) {
   if constexpr (kPairs<S>) {
     F16 z;
-    simd::from_bf16_pairs(a.scale + (g * a.np + n) * 2, sc, z);
+    simd::from_bf16_pairs(pairs_at(a.scale, a.groups, a.np, a.blocked, g, n), sc, z);
     mn = simd::fnmadd(simd::set1(8.f), sc, z);
   } else if constexpr (std::is_same_v<S, float>) {
     const S* p = planes_at(a.scale, a.groups, g, n);
@@ -68,12 +69,12 @@ static inline void load_scales(const Args<S>& a, int64_t g, int64_t n, F16& sc, 
   }
 }
 
-// PyTorch's pairs of 64 rows from n0 in group g: strided by N, not streamed in order, so asked
-// ahead (the blocked planes lie in order).
+// PyTorch's pairs of 64 rows from n0 in group g: in its layout strided by N, not streamed in
+// order, so asked ahead (the blocked planes and pairs lie in order).
 template <typename S>
 static inline void prefetch_scales(const Args<S>& a, int64_t g, int64_t n0) {
   if constexpr (kPairs<S>) {
-    if (g >= a.groups) return;
+    if (g >= a.groups || a.blocked) return;
     const char* p = reinterpret_cast<const char*>(a.scale + (g * a.np + n0) * 2);
     for (int l = 0; l < 256; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
   }
@@ -201,7 +202,7 @@ static const DpBits kDpBits = make_dp_bits();
 template <typename S>
 static inline void load_scales_dp(const Args<S>& a, int64_t g, int64_t n, __m512& sc, __m512& mn) {
   if constexpr (kPairs<S>) {
-    const S* p = a.scale + (g * a.np + n) * 2;
+    const S* p = pairs_at(a.scale, a.groups, a.np, a.blocked, g, n);  // rows n + 16.. 32 values on, both ways
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
     sc = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -373,7 +374,7 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 #endif
   const uint16_t* xbp = xb.empty() ? nullptr : xb.data();
   const S* sm = scale_min.data_ptr<S>();
-  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np, hb};
+  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np, hb, scale_min.dim() == 4};
   const X* bp = bias ? bias->data_ptr<X>() : nullptr;
   X* y = out.data_ptr<X>();
   const int64_t n = out.size(1), ys = out.stride(0);
@@ -394,7 +395,8 @@ bool is_f32_or_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kFlo
 // with `block_rows` (64 or 32) rows per block, kw = k, or 2k for a two-nibble weight (x is read
 // twice over); scale_min [np / 64, kw / group_size, 2, 64] (scale, min of 64 rows; float32 or
 // float16: w = q * s + min)
-// or PyTorch's kernel's bfloat16 [kw / group_size, np, 2] (scale, zero: w = (q - 8) * s + zero);
+// or PyTorch's kernel's bfloat16 [kw / group_size, np, 2] (scale, zero: w = (q - 8) * s + zero), or the
+// same pairs blocked by 64 rows [np / 64, kw / group_size, 64, 2] (int4_scales.h pairs_at);
 // bias [n] in x's dtype or None; out [m, n] in x's dtype, n <= np; hi_bits: a 5-bit weight's high
 // bits, uint8 [np / block_rows, k, block_rows / 8] (kw = k), or None. False (nothing written) where it
 // does not apply.
@@ -410,9 +412,11 @@ bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scal
     return false;
   const auto st = scale_min.scalar_type();
   const bool pairs = st == at::kBFloat16;
-  const std::vector<int64_t> want = pairs ? std::vector<int64_t>{kw / group_size, np, 2}
-                                           : std::vector<int64_t>{np / kScaleRows, kw / group_size, 2, kScaleRows};
-  if ((!pairs && np % kScaleRows) || scale_min.sizes() != at::IntArrayRef(want) || !scale_min.is_contiguous() ||
+  const std::vector<int64_t> want = !pairs ? std::vector<int64_t>{np / kScaleRows, kw / group_size, 2, kScaleRows}
+                                    : scale_min.dim() == 4 ? std::vector<int64_t>{np / kScaleRows, kw / group_size, kScaleRows, 2}
+                                                           : std::vector<int64_t>{kw / group_size, np, 2};
+  if (np % kScaleRows && (!pairs || scale_min.dim() == 4)) return false;
+  if (scale_min.sizes() != at::IntArrayRef(want) || !scale_min.is_contiguous() ||
       (st != at::kFloat && st != at::kHalf && !pairs))
     return false;
   if (out.size(0) != m || n > np || out.stride(1) != 1 || out.scalar_type() != x.scalar_type()) return false;

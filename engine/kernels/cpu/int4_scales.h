@@ -14,6 +14,15 @@ static inline const S* planes_at(const S* sm, int64_t groups, int64_t g, int64_t
   return sm + ((n / kScaleRows) * groups + g) * 2 * kScaleRows + n % kScaleRows;
 }
 
+// PyTorch's kernel's bf16 (scale, zero) pairs, as it lays them out, [groups, np, 2], or the same
+// values blocked by 64 rows, [np / 64, groups, 64, 2] (int4_format.py block_pairs): a block's pairs
+// for a group lie together, as the planes' do (strided by np, a one-row step of a 49152-row head
+// read its pairs from a page per group and took ~3x as long). Row n's pair in group g.
+template <typename S>
+static inline const S* pairs_at(const S* sz, int64_t groups, int64_t np, bool blocked, int64_t g, int64_t n) {
+  return blocked ? sz + (((n / kScaleRows) * groups + g) * kScaleRows + n % kScaleRows) * 2 : sz + (g * np + n) * 2;
+}
+
 // A 5-bit weight's high-bit plane (int4_linear.cpp): uint8 [np / block_rows, k, block_rows / 8],
 // contiguous, beside nibbles of k inputs (no two-nibble weight has one).
 static inline bool valid_hi_bits(const torch::Tensor& hb, int64_t np, int64_t kw, int64_t k, int64_t block_rows) {

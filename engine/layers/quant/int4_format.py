@@ -96,6 +96,14 @@ def block_scales(planes: torch.Tensor) -> torch.Tensor:
     return planes.reshape(two, g, n // SCALE_ROWS, SCALE_ROWS).permute(2, 1, 0, 3).contiguous()
 
 
+def block_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """PyTorch's kernel's [G, N, 2] (scale, zero) pairs (N a multiple of SCALE_ROWS) -> the same
+    values blocked by 64 rows, [N / 64, G, 64, 2]: per block of rows, each group's pairs together
+    (what the few-row op reads best: int4_scales.h pairs_at)."""
+    g, n, two = pairs.shape
+    return pairs.view(g, n // SCALE_ROWS, SCALE_ROWS, two).permute(1, 0, 2, 3).contiguous()
+
+
 def scale_planes(scale_min: torch.Tensor) -> torch.Tensor:
     """A weight's blocked `.scale_min` -> the [2, G, N] scale and min planes."""
     blocks, g, two, rows = scale_min.shape
