@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 
 from engine.stats import EngineStats
-from router.metrics import Histogram
+from router.histogram import Histogram
 
 
 class AutoscalingStats:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
     from engine.async_engine import AsyncEngine
-    from router.metrics import Histogram
+    from router.histogram import Histogram
 
 log = logging.getLogger(__name__)
 

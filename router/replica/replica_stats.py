@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from router.metrics import COUNTERS, Histogram
+from router.histogram import Histogram
+from router.metrics import COUNTERS
 from router.replica.autoscaling_stats import AutoscalingStats
 
 if TYPE_CHECKING:

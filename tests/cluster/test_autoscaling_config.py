@@ -207,7 +207,7 @@ def test_policy_object():
 
 
 def test_histogram_quantile_interpolates_inside_buckets():
-    from router.metrics import Histogram
+    from router.histogram import Histogram
 
     h = Histogram((0.1, 0.2, 0.4))
     for v in [0.05] * 90 + [0.3] * 10:

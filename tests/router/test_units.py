@@ -13,11 +13,12 @@ from pydantic import ValidationError
 from engine.errors import EngineDeadError, InvalidRequestError
 from router.backpressure import IngressQueue, OverloadedError, ReplicaQueue
 from router.config import AppConfig
+from router.histogram import Histogram
 from router.ingress.errors import APIError, to_api_error
 from router.ingress.openai_models import ChatCompletionRequest, CompletionRequest
 from router.ingress.tgi_api import sampling_params
 from router.ingress.tgi_models import GenerateParameters
-from router.metrics import HISTOGRAMS, Histogram, new_histograms, render
+from router.metrics import HISTOGRAMS, new_histograms, render
 from router.replica_choice.least_loaded import replica_load
 
 ROOT = Path(__file__).resolve().parents[2]
