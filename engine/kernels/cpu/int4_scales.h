@@ -17,7 +17,7 @@ static inline const S* planes_at(const S* sm, int64_t groups, int64_t g, int64_t
 // PyTorch's kernel's bf16 (scale, zero) pairs, as it lays them out, [groups, np, 2], or the same
 // values blocked by 64 rows, [np / 64, groups, 64, 2] (int4_format.py block_pairs): a block's pairs
 // for a group lie together, as the planes' do (strided by np, a one-row step of a 49152-row head
-// read its pairs from a page per group and took ~3x as long). Row n's pair in group g.
+// read each group's pairs from another page: 1.13 ms against 0.90 blocked). Row n's pair in group g.
 template <typename S>
 static inline const S* pairs_at(const S* sz, int64_t groups, int64_t np, bool blocked, int64_t g, int64_t n) {
   return blocked ? sz + (((n / kScaleRows) * groups + g) * kScaleRows + n % kScaleRows) * 2 : sz + (g * np + n) * 2;
