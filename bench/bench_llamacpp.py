@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quantization", default=None, help="Orbital's weights: int8, int4[:gN], gguf (the GGUF's own blocks)"
     )
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"], help="Orbital's KV cache")
+    p.add_argument("--int8-activations", action="store_true", help="Orbital's quantized linears on int8 activations")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--slots", type=int, default=16, help="llama.cpp parallel slots")
     p.add_argument("--requests", type=int, default=32)
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sys.executable} -m router.cli serve --host 127.0.0.1 --port {oport} --threads {a.threads} "
             f"--dtype {a.dtype} --kv-cache-dtype {a.kv_cache_dtype}"
             + (f" --quantization {a.quantization}" if a.quantization else "")
+            + (" --int8-activations" if a.int8_activations else "")
             + (f" --model {gguf}" if a.same_file else ""),
             f"http://127.0.0.1:{oport}",
         ),

@@ -43,6 +43,7 @@ def add_gguf_configs(path: str) -> None:
     """Another GGUF (e.g. a Q4_K_M file) as its own blocks and as float32 of its dequantized values."""
     name = path.rsplit("/", 1)[-1].removesuffix(".gguf")
     CONFIGS[f"{name} as loaded"] = dict(model=path, dtype="float32", quantization="gguf")
+    CONFIGS[f"{name} int8 activations"] = dict(model=path, dtype="float32", quantization="gguf", int8_activations=True)
     CONFIGS[f"{name} dequantized (float32)"] = dict(model=path, dtype="float32")
 
 

@@ -3,7 +3,8 @@ qkv, o, gate_up and down plus the LM head; one weight set per layer, so weights 
 memory): the packed float32 GEMM, int8 (`_weight_int8pack_mm` up to 32 rows), PyTorch's int4
 kernel with float32 and with bfloat16 activations, the few-row C++ int4 op (int4_linear.cpp, up
 to its 64-row limit; bf16 activations with PyTorch's bf16 scales, in its layout and blocked by 64
-rows as int4_linear runs it on AVX-512 BF16 (int4.op_pairs), and with the exact ones: float16 as a GGUF's are, float32 as int4 from float
+rows as int4_linear runs it on AVX-512 BF16 (int4.op_pairs), the same on int8 activations (the
+int8_activations setting, where AVX-512 VNNI runs it), and with the exact ones: float16 as a GGUF's are, float32 as int4 from float
 weights has them; float32 activations with float16 scales, as exact mode runs it), the weight
 widened per call (float32 from the exact scales, exact mode; bf16 on AVX-512 BF16), the op in
 chunks of 64 rows past its limit, and dequantize + float32 GEMM. Median ms per step.
@@ -74,19 +75,22 @@ def main(argv=None) -> None:
         if m <= OP_ROWS:
             block = pack_layout()[1]
             columns = {  # the op's scales: PyTorch's bf16 pairs (int4_linear on AVX-512 BF16), exact ones
-                "int4 op bf16 pairs": (i4, "scales_zeros_bf16", xb),
-                "int4 op bf16 pairs blocked": (i4, "op_pairs", xb),
-                "int4 op f16 scales": (i4_f16, "scale_min", xb),
-                "int4 op f32 scales": (i4, "scale_min", xb),
-                "int4 op exact f32 x": (i4_f16, "scale_min", xs),  # exact mode (int4.exact_mode)
+                "int4 op bf16 pairs": (i4, "scales_zeros_bf16", xb, False),
+                "int4 op bf16 pairs blocked": (i4, "op_pairs", xb, False),
+                "int4 op f16 scales": (i4_f16, "scale_min", xb, False),
+                "int4 op f32 scales": (i4, "scale_min", xb, False),
+                "int4 op exact f32 x": (i4_f16, "scale_min", xs, False),  # exact mode (int4.exact_mode)
+                # the int8_activations setting (int4_int8_dot.h), as int4_linear runs it on AVX-512 BF16
+                "int4 op int8 activations": (i4, "op_pairs", xb, True),
             }
-            for name, (weights, attr, x) in columns.items():
+            for name, (weights, attr, x, int8_x) in columns.items():
                 op = ops.int4_small_linear if ops is not None else None
                 outs = [torch.empty(m, n, dtype=x[576].dtype) for n, k in shapes]
-                if op is not None and op(x[576], weights[0], getattr(weights[0], attr), a.group, block, None, outs[0]):
+                w0 = weights[0]
+                if op is not None and op(x[576], w0, getattr(w0, attr), a.group, block, None, outs[0], None, int8_x):
                     r[name] = median_time(
-                        lambda ws=weights, at=attr, x=x, outs=outs: [
-                            op(x[k], w, getattr(w, at), a.group, block, None, o)
+                        lambda ws=weights, at=attr, x=x, outs=outs, i8=int8_x: [
+                            op(x[k], w, getattr(w, at), a.group, block, None, o, None, i8)
                             for w, (n, k), o in zip(ws, shapes, outs)
                         ],
                         a.reps,

@@ -41,6 +41,12 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "python -m engine"
         help="weight-only: int8, int4[:g32|g64|g128] quantized at load, gguf (a GGUF's own blocks, K-quants included), gptq or awq (the checkpoint's own; taken from its quantization_config when unset)",
     )
     p.add_argument(
+        "--int8-activations",
+        action="store_true",
+        default=EngineArgs.int8_activations,
+        help="CPU, with quantization: activations rounded to int8 per group for integer dot products (llama.cpp's arithmetic; AVX-512 VNNI)",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default=EngineArgs.kv_cache_dtype,
         choices=list(choices.KV_CACHE_DTYPES),
@@ -137,6 +143,7 @@ def main(
             executor_factory=executor_factory or in_process_executor,
             dtype=args.dtype,
             quantization=args.quantization,
+            int8_activations=args.int8_activations,
             kv_cache_dtype=args.kv_cache_dtype,
             device=args.device,
             tensor_parallel_size=args.tensor_parallel_size,

@@ -52,6 +52,10 @@ class EngineArgs:
     # blocks: Q8_0, Q4_*, Q5_*, Q2_K..Q6_K), "gptq" / "awq" (the checkpoint's own integers); None
     # keeps the checkpoint's float weights, or a GPTQ / AWQ checkpoint's (engine/layers/quant/).
     quantization: str | None = None
+    # CPU, with quantization: 4-, 5- and 8-bit weights multiply activations rounded to int8 per
+    # group with integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, VBMI and BITALG):
+    # faster batched steps, logits within that rounding of the bf16 path (engine/layers/quant/int4.py).
+    int8_activations: bool = False
     # The KV cache's storage: "auto" (the model's dtype), "int8" or "fp8_e4m3" (per-token, per-head
     # scales, no calibration: engine/layers/attention/kv_quant.py), about 1.9x the tokens of bf16.
     kv_cache_dtype: str = "auto"

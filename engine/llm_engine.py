@@ -53,6 +53,7 @@ class LLMEngine:
             args.max_model_len,
             args.served_model_name,
             args.quantization,
+            args.int8_activations,
         )
         lora = LoRAConfig.from_args(args)
         if lora is not None:

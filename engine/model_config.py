@@ -68,6 +68,7 @@ class ModelConfig:
     served_name: str
     quantization: str | None = None  # weight-only ("int8", "int4[:gN]", "gguf", "gptq", "awq"): engine/layers/quant/
     gguf_file: Path | None = None  # quantization="gguf": the file whose blocks are loaded
+    int8_activations: bool = False  # the quantized linears round activations to int8 (quant/int4.py)
     lora: LoRAConfig | None = None  # multi-LoRA slots on every worker (engine/lora/); None: off
 
     @property
@@ -108,6 +109,22 @@ def checkpoint_method(hf_config: object, quantization: str | None) -> str | None
     return q.method
 
 
+def check_int8_activations(quantization: str | None, device: torch.device) -> None:
+    """int8 activations are the int4 op's (quant/int4.py mark_int8_activations): quantized weights
+    on a CPU whose op has VNNI, VBMI and BITALG (`quantization`: after a GPTQ / AWQ checkpoint's own)."""
+    from engine.layers.quant.int4 import int8_dot_runs
+
+    if quantization is None:
+        raise InvalidRequestError("int8_activations applies to quantized weights: set quantization (int4, gguf, ...)")
+    if device.type != "cpu":
+        raise InvalidRequestError(f"int8_activations runs on CPU (the C++ int4 op); on {device} leave it off")
+    if not int8_dot_runs():
+        raise InvalidRequestError(
+            "int8_activations needs a CPU with AVX-512 VNNI, VBMI and BITALG (AMD Zen 4, Intel Ice Lake or later) "
+            "and the C++ CPU ops; this one computes quantized weights with bf16 or float32 activations only"
+        )
+
+
 def build_model_config(
     model: str | None,
     dtype: str | torch.dtype,
@@ -115,6 +132,7 @@ def build_model_config(
     max_model_len: int | None = None,
     served_name: str | None = None,
     quantization: str | None = None,
+    int8_activations: bool = False,
 ) -> ModelConfig:
     from transformers import AutoConfig
 
@@ -132,6 +150,8 @@ def build_model_config(
     model_dir = resolve_model_dir(model, float_weights=gguf_file is None)
     cfg = AutoConfig.from_pretrained(model_dir)
     quantization = checkpoint_method(cfg, quantization)
+    if int8_activations:
+        check_int8_activations(quantization, torch.device(device))
     try:
         check_model_config(cfg)  # in the driver: before any worker loads a model it would refuse
     except ValueError as e:
@@ -166,4 +186,5 @@ def build_model_config(
         str(name),
         quantization,
         gguf_file,
+        int8_activations,
     )

@@ -166,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight-only: int8, int4[:g32|g64|g128] at load, or gguf (a GGUF's own blocks)",
     )
     s.add_argument(
+        "--int8-activations",
+        action="store_true",
+        default=_d("int8_activations"),
+        help="CPU, with quantization: activations rounded to int8 per group for integer dot products (llama.cpp's arithmetic; AVX-512 VNNI)",
+    )
+    s.add_argument(
         "--kv-cache-dtype",
         default=_d("kv_cache_dtype"),
         choices=list(choices.KV_CACHE_DTYPES),
@@ -336,6 +342,7 @@ def config_from_args(a: argparse.Namespace) -> AppConfig:
         served_model_name=a.served_model_name,
         dtype=a.dtype,
         quantization=a.quantization,
+        int8_activations=a.int8_activations,
         kv_cache_dtype=a.kv_cache_dtype,
         device=a.device,
         tensor_parallel_size=a.tp,

@@ -81,6 +81,12 @@ class AppConfig(BaseModel):
         description="Weight-only quantization: int8 (per output channel) or int4 (group-wise, :gN the group "
         "size) quantized at load; gguf: a GGUF model's own blocks (K-quants included) as they are; gptq / awq: the checkpoint's own integers (None takes them from its quantization_config); None: float.",
     )
+    int8_activations: bool = Field(
+        _E.int8_activations,
+        description="CPU, with quantization: the quantized linears round each activation row to int8 per group "
+        "and multiply with integer dot products, as llama.cpp does (AVX-512 VNNI, VBMI and BITALG: AMD Zen 4, "
+        "Intel Ice Lake or later; refused elsewhere). Faster batched steps; logits within that rounding.",
+    )
     kv_cache_dtype: Literal[choices.KV_CACHE_DTYPES] = Field(
         _E.kv_cache_dtype,
         description="KV cache storage: auto (the model's dtype), int8 (per-token, per-head scales; about 1.9x "
@@ -554,6 +560,7 @@ class AppConfig(BaseModel):
             "model": self.model,
             "dtype": self.dtype,
             "quantization": self.quantization,
+            "int8_activations": self.int8_activations,
             "kv_cache_dtype": self.kv_cache_dtype,
             "device": self.device,
             "block_size": self.block_size,

@@ -33,19 +33,19 @@ if TYPE_CHECKING:
 
 def _linear_parts(module: torch.nn.Module, dtype: torch.dtype) -> tuple | None:
     """(weight, int4 scales or None, bias or None, group size, out features, 5-bit high bits or
-    None) as the module's few-row path calls its op; None where the module would not take that path (asked of the op
+    None, int8 activations) as the module's few-row path calls its op; None where the module would not take that path (asked of the op
     itself on a zero row: it declines some shapes, and the module then runs another kernel)."""
     parts = _linear_candidate(module)
     if parts is None or getattr(module.weight, "input_order", None) is not None:
         return None  # act-order weights take their inputs reordered: the layers' own path does
-    w, scales, bias, group_size, n, hi_bits = parts
+    w, scales, bias, group_size, n, hi_bits, int8_x = parts
     ops = small_linear_ops()
     k = module.input_size_per_partition if hasattr(module, "input_size_per_partition") else module.input_size
     x, y = torch.zeros(1, k, dtype=dtype), torch.empty(1, n, dtype=dtype)
     if scales is not None:
         from engine.layers.quant.int4_format import pack_layout
 
-        ok = ops.int4_small_linear(x, w, scales, group_size, pack_layout()[1], None, y, hi_bits)
+        ok = ops.int4_small_linear(x, w, scales, group_size, pack_layout()[1], None, y, hi_bits, int8_x)
     else:
         ok = ops.small_linear(x, w, bias, y)
     return parts if ok else None
@@ -73,13 +73,22 @@ def _linear_candidate(module: torch.nn.Module) -> tuple | None:
 
         if int4_ops() is None:
             return None
-        return w.data, op_scales(w), bias, w.group_size, w.out_features, getattr(w, "hi_bits", None)
+        hi_bits, int8_x = getattr(w, "hi_bits", None), getattr(w, "int8_activations", False)
+        return w.data, op_scales(w), bias, w.group_size, w.out_features, hi_bits, int8_x
     if w.dtype not in (torch.float32, torch.bfloat16):
         return None
     plain, ops = (getattr(w, "plain", None), _vector_ops(True)) if w.is_mkldnn else (w, small_linear_ops())
     if plain is None or ops is None:
         return None
-    return plain, None, bias, 0, plain.out_features if plain.dim() == 3 else plain.shape[0], None  # 3: bf16 panels
+    return (
+        plain,
+        None,
+        bias,
+        0,
+        plain.out_features if plain.dim() == 3 else plain.shape[0],
+        None,
+        False,
+    )  # 3: bf16 panels
 
 
 def _elementwise_ops_apply(ops: object, model: LlamaModel) -> bool:
@@ -160,6 +169,7 @@ class FusedDecode:
             [p[3] for p in parts],
             [p[4] for p in parts],
             [p[5] for p in parts],
+            [p[6] for p in parts],
             pack_layout()[1],
             sa.qkv_proj.num_heads,
             sa.qkv_proj.num_kv_heads,

@@ -18,11 +18,13 @@ import torch
 from engine.config import CacheConfig
 from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.distributed import get_pp_group, get_tp_group, tp_all_reduce, tp_max
+from engine.errors import InvalidRequestError
 from engine.kv_offload.rank_io import OffloadIO
 from engine.kv_offload.store import OffloadStore
 from engine.kv_transfer.block_io import copy_slots, head_slice, read_blocks, write_blocks
 from engine.kv_transfer.blocks import KVLayout
 from engine.layers.attention.kv_quant import cache_storage_dtype, check_kv_backend, row_width
+from engine.layers.quant.int4 import mark_int8_activations
 from engine.layers.sampler import Sampler, SamplerOutput, argmax_rows, compute_prompt_logprobs
 from engine.lora.batch import lora_context
 from engine.model.loader import load_model
@@ -108,6 +110,9 @@ class ModelRunner:
                 self.mc.gguf_file,
             )
         )
+        if self.mc.int8_activations and model is None:
+            if not mark_int8_activations(self.model):
+                raise InvalidRequestError("int8_activations: this model has no quantized weight (set quantization)")
         if self.mc.lora is not None and model is None:
             from engine.lora.model_lora import ModelLoRA
 

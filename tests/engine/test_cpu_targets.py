@@ -22,6 +22,7 @@ KERNEL_TESTS = [
     "tests/engine/test_small_linear.py",
     "tests/engine/test_int4_small_linear.py",
     "tests/engine/test_int4_five_bits.py",
+    "tests/engine/test_int4_int8_dot.py",
     "tests/engine/test_int4_dequantize.py",
     "tests/engine/test_lora_bgmv.py",
     "tests/engine/test_sampler.py",

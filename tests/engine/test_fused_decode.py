@@ -182,3 +182,33 @@ def test_fused_decode_of_5_bit_weights(monkeypatch, tmp_path):
     assert got == want
     if _fused_expected(kw):
         assert len(fused_steps) > 20
+
+
+@pytest.mark.parametrize("model", ["embedded", "q5"])
+def test_fused_decode_with_int8_activations(monkeypatch, tmp_path, model):
+    """int8_activations (kernels/cpu/int4_int8_dot.h): the fused call hands each linear's flag to
+    the op, bit-identical to the layers, for the embedded GGUF (Q4_1, the two-nibble Q8_0 head) and
+    5-bit weights. On a CPU without VNNI, VBMI and BITALG the setting is refused."""
+    from engine.errors import InvalidRequestError
+    from engine.layers.quant.int4 import int8_dot_runs
+    from engine.model.gguf_convert import embedded_gguf_path
+    from tests.engine.gguf_subset import write_gguf_subset
+
+    kw = {"quantization": "gguf", "int8_activations": True}
+    if model == "q5":
+        kw["model"] = str(write_gguf_subset(embedded_gguf_path(), tmp_path / "q5.gguf", 2, _q5_mix))
+    if not int8_dot_runs():
+        with pytest.raises(InvalidRequestError, match="VNNI"):
+            LLM(num_threads=2, num_blocks=128, **kw)
+        return
+
+    def marked(m):
+        layer = m.layers[0]
+        assert all(
+            getattr(x.weight, "int8_activations", False) for x in (layer.self_attn.qkv_proj, layer.mlp.down_proj)
+        )
+
+    want, _ = _generate(monkeypatch, False, PROMPTS, check=marked, **kw)
+    got, fused_steps = _generate(monkeypatch, True, PROMPTS, **kw)
+    assert got == want
+    assert len(fused_steps) > 20

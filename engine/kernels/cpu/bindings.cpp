@@ -41,12 +41,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up over [gate | up] rows; false if not applicable");
   m.def("rotary", &rotary, "in place neox rotary embedding of the first heads of each row; false if not applicable");
   m.def("small_linear", &small_linear, "out = x . w^T + bias for a few rows (float32/bf16 weights); false if not applicable", nogil);
-  // hi_bits (last, optional): a 5-bit weight's high-bit plane beside its nibbles.
+  // hi_bits (optional): a 5-bit weight's high-bit plane beside its nibbles; int8_x: x rounded to
+  // int8 per group for integer dot products (int4_int8_dot.h).
   namespace py = pybind11;
   m.def("int4_small_linear", &int4_small_linear,
         "out = x . w^T + bias for a few rows, w in PyTorch's CPU int4 pack; false if not applicable", nogil,
         py::arg("x"), py::arg("packed"), py::arg("scale_min"), py::arg("group_size"), py::arg("block_rows"),
-        py::arg("bias"), py::arg("out"), py::arg("hi_bits") = py::none());
+        py::arg("bias"), py::arg("out"), py::arg("hi_bits") = py::none(), py::arg("int8_x") = false);
+  m.def("int8_dot_products", &int8_dot_products, "whether int4_small_linear's int8_x runs here (AVX-512 VNNI, VBMI, BITALG)");
   m.def("int4_dequantize", &int4_dequantize,
         "out[k, n] = bf16 or float32 weight of PyTorch's CPU int4 pack (transposed) for a prompt-sized GEMM; false if not applicable",
         nogil, py::arg("packed"), py::arg("scales"), py::arg("group_size"), py::arg("block_rows"), py::arg("out"),

@@ -14,26 +14,28 @@ namespace {
 // One linear layer: PyTorch's CPU int4 pack or a plain float weight. The int4 scales are PyTorch's
 // bf16 (scale, zero) pairs (float32 x rounded to bf16 first) or, in exact mode, the exact scale
 // and min planes (x widened to float32, the sums rounded to x's dtype); the bias is added after
-// rounding, as engine/layers/quant/int4.py does. A 5-bit weight has its high-bit plane too.
+// rounding, as engine/layers/quant/int4.py does. A 5-bit weight has its high-bit plane too; int8_x:
+// the op rounds x to int8 per group (int4_int8_dot.h, the int8_activations setting).
 struct Linear {
   torch::Tensor w;
   std::optional<torch::Tensor> scales;  // set: int4
   std::optional<torch::Tensor> bias;
   std::optional<torch::Tensor> hi_bits;
   int64_t group_size = 0, block_rows = 0, out = 0;
+  bool int8_x = false;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     auto y = torch::empty({x.size(0), out}, x.options());
     bool ok;
     if (scales && scales->scalar_type() != at::kBFloat16) {
       auto y32 = x.scalar_type() == at::kFloat ? y : torch::empty({x.size(0), out}, x.options().dtype(at::kFloat));
-      ok = int4_small_linear(x.to(at::kFloat), w, *scales, group_size, block_rows, std::nullopt, y32, hi_bits);
+      ok = int4_small_linear(x.to(at::kFloat), w, *scales, group_size, block_rows, std::nullopt, y32, hi_bits, int8_x);
       if (ok && !y32.is_same(y)) y.copy_(y32);
       if (ok && bias) y.add_(*bias);
     } else if (scales) {
       // float32 activations: the int4 path feeds the op bf16-rounded values (int4_linear).
       const auto xin = x.scalar_type() == at::kFloat ? x.to(at::kBFloat16).to(at::kFloat) : x;
-      ok = int4_small_linear(xin, w, *scales, group_size, block_rows, std::nullopt, y, hi_bits);
+      ok = int4_small_linear(xin, w, *scales, group_size, block_rows, std::nullopt, y, hi_bits, int8_x);
       if (ok && bias) y.add_(*bias);
     } else {
       ok = small_linear(x, w, bias, y);
@@ -51,24 +53,24 @@ struct Layer {
 class DecodeLayers {
  public:
   // Per layer, in order: norms [in, post]; linears [qkv, o, gate_up, down], each as
-  // (weight, int4 scales or None, bias or None, group_size, out_features, high bits or None).
+  // (weight, int4 scales or None, bias or None, group_size, out_features, high bits or None, int8 x).
   DecodeLayers(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> weights,
                std::vector<std::optional<torch::Tensor>> scales, std::vector<std::optional<torch::Tensor>> biases,
                std::vector<int64_t> group_sizes, std::vector<int64_t> out_features,
-               std::vector<std::optional<torch::Tensor>> hi_bits, int64_t block_rows,
+               std::vector<std::optional<torch::Tensor>> hi_bits, std::vector<bool> int8_x, int64_t block_rows,
                int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor cos,
                torch::Tensor sin)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), cos_(cos), sin_(sin) {
     const size_t n = norms.size() / 2;
     TORCH_CHECK(norms.size() == 2 * n && weights.size() == 4 * n && scales.size() == 4 * n &&
                     biases.size() == 4 * n && group_sizes.size() == 4 * n && out_features.size() == 4 * n &&
-                    hi_bits.size() == 4 * n,
+                    hi_bits.size() == 4 * n && int8_x.size() == 4 * n,
                 "decode_layers: 2 norms and 4 linears per layer");
     for (size_t l = 0; l < n; ++l) {
       Linear lin[4];
       for (int j = 0; j < 4; ++j) {
         const size_t i = 4 * l + j;
-        lin[j] = Linear{weights[i], scales[i], biases[i], hi_bits[i], group_sizes[i], block_rows, out_features[i]};
+        lin[j] = Linear{weights[i], scales[i], biases[i], hi_bits[i], group_sizes[i], block_rows, out_features[i], int8_x[i]};
       }
       layers_.push_back(Layer{norms[2 * l], norms[2 * l + 1], lin[0], lin[1], lin[2], lin[3]});
     }
@@ -122,7 +124,8 @@ void bind_decode_layers(pybind11::module& m) {
   pybind11::class_<DecodeLayers>(m, "DecodeLayers")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<std::optional<torch::Tensor>>, std::vector<std::optional<torch::Tensor>>,
-                          std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional<torch::Tensor>>, int64_t,
+                          std::vector<int64_t>, std::vector<int64_t>, std::vector<std::optional<torch::Tensor>>,
+                          std::vector<bool>, int64_t,
                           int64_t, int64_t, int64_t, double,
                           double, torch::Tensor, torch::Tensor>())
       // Without the GIL for the whole step (see bindings.cpp).

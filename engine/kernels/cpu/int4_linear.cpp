@@ -20,6 +20,7 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+#include "int4_int8_dot.h"
 #include "int4_scales.h"
 #include "simd16.h"
 #include "work_queue.h"
@@ -51,6 +52,10 @@ struct Args {
   int64_t kw, groups, gs, np;
   const uint8_t* hb;  // a 5-bit weight's high bits [np / B, kw, B / 8], else null
   bool blocked;       // pairs blocked by 64 rows (int4_scales.h pairs_at)
+  // int8 activations (int4_int8_dot.h), else null: x rounded per group [m, kw], d and d * sum(q) [m, groups]
+  const int8_t* xq = nullptr;
+  const float* xd = nullptr;
+  const float* xd_qsum = nullptr;
 };
 
 // Scale and min of rows [n, n + 16) in group g.
@@ -294,6 +299,21 @@ void block_dp(const Args<S>& a, const uint16_t* xb, int64_t blk, float* racc) {
 template <int B, int M, bool FIVE, typename S, typename X>
 static inline void rows_of_block(const Args<S>& a, const uint16_t* xb, int64_t blk, int64_t n, const X* bias, X* y,
                                  int64_t ys) {
+#if defined(ORBITAL_INT8_DOT)
+  if constexpr (B == 64) {
+    if (a.xq != nullptr) {
+      alignas(64) float racc[M * 64];
+      const auto scales = [&a](int64_t g, int64_t row, __m512& sc, __m512& mn) {
+        F16 s, m;
+        load_scales(a, g, row, s, m);
+        sc = s.v, mn = m.v;
+      };
+      block_int8<M, FIVE>(a.w, a.hb, a.kw, a.groups, a.gs, a.xq, a.xd, a.xd_qsum, blk, racc, scales);
+      store_rows<B, M, X>(racc, blk, n, bias, y, ys);
+      return;
+    }
+  }
+#endif
 #if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
   if constexpr (B == 64 && std::is_same_v<X, c10::BFloat16>) {
     if (xb != nullptr) {
@@ -325,6 +345,7 @@ void run(const Args<S>& a, const uint16_t* xb, int64_t m, int64_t n, const X* bi
     for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
       Args<S> c = a;
       c.xf += i0 * a.kw, c.xsum += i0 * a.groups;
+      if (a.xq != nullptr) c.xq += i0 * a.kw, c.xd += i0 * a.groups, c.xd_qsum += i0 * a.groups;
       const uint16_t* cx = xb != nullptr ? xb + i0 * a.kw : nullptr;
       X* cy = y + i0 * ys;
       switch (std::min<int64_t>(kChunk, m - i0)) {
@@ -348,10 +369,21 @@ static inline float group_sum(const float* v, int64_t n) {
   return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])) + t;
 }
 
+// Whether int8 activations (int4_int8_dot.h) run for this weight here: 64-row blocks, groups of 4k.
+bool int8_dot_applies(int64_t block_rows, int64_t gs) {
+#if defined(ORBITAL_INT8_DOT)
+  return int8_dot_runs() && block_rows == 64 && gs % 4 == 0;
+#else
+  return false;
+#endif
+}
+
 template <typename S, typename X>
 bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_min, int64_t gs,
-              int64_t block_rows, const std::optional<torch::Tensor>& bias, torch::Tensor& out, const uint8_t* hb) {
+              int64_t block_rows, const std::optional<torch::Tensor>& bias, torch::Tensor& out, const uint8_t* hb,
+              bool int8_x) {
   const int64_t m = x.size(0), k = x.size(1), kw = packed.size(1) * 2, groups = kw / gs, np = packed.size(0);
+  if (int8_x && !int8_dot_applies(block_rows, gs)) return false;
   // x widened once (and repeated for a two-nibble weight), with its group sums. Plain loops the
   // compiler vectorizes: at 32 rows this ran per element with a modulo and took ~15% of the op.
   std::vector<float> xf(m * kw), xsum(m * groups);
@@ -372,9 +404,17 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
       for (int64_t c = 0; c < kw; c += k) std::memcpy(&xb[i * kw + c], xp + i * x.stride(0), k * sizeof(X));
   }
 #endif
-  const uint16_t* xbp = xb.empty() ? nullptr : xb.data();
+  const uint16_t* xbp = xb.empty() || int8_x ? nullptr : xb.data();
   const S* sm = scale_min.data_ptr<S>();
-  const Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np, hb, scale_min.dim() == 4};
+  Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np, hb, scale_min.dim() == 4};
+#if defined(ORBITAL_INT8_DOT)
+  Int8Rows xi;
+  if (int8_x) {
+    quantize_rows(xf.data(), m, kw, gs, xi);
+    a.xq = xi.q.data(), a.xd = xi.d.data(), a.xd_qsum = xi.d_qsum.data();
+    xbp = nullptr;
+  }
+#endif
   const X* bp = bias ? bias->data_ptr<X>() : nullptr;
   X* y = out.data_ptr<X>();
   const int64_t n = out.size(1), ys = out.stride(0);
@@ -398,11 +438,12 @@ bool is_f32_or_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kFlo
 // or PyTorch's kernel's bfloat16 [kw / group_size, np, 2] (scale, zero: w = (q - 8) * s + zero), or the
 // same pairs blocked by 64 rows [np / 64, kw / group_size, 64, 2] (int4_scales.h pairs_at);
 // bias [n] in x's dtype or None; out [m, n] in x's dtype, n <= np; hi_bits: a 5-bit weight's high
-// bits, uint8 [np / block_rows, k, block_rows / 8] (kw = k), or None. False (nothing written) where it
-// does not apply.
+// bits, uint8 [np / block_rows, k, block_rows / 8] (kw = k), or None; int8_x: x rounded to int8 per
+// group for integer dot products (int4_int8_dot.h; false where they do not run: int8_dot_products).
+// False (nothing written) where it does not apply.
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
                        int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out,
-                       std::optional<torch::Tensor> hi_bits) {
+                       std::optional<torch::Tensor> hi_bits, bool int8_x) {
 #if defined(ORBITAL_SIMD16)
   if (!x.device().is_cpu() || x.dim() != 2 || packed.dim() != 2 || out.dim() != 2) return false;
   const int64_t m = x.size(0), k = x.size(1), np = packed.size(0), kw = packed.size(1) * 2, n = out.size(1);
@@ -425,11 +466,20 @@ bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scal
   const uint8_t* hb = hi_bits ? hi_bits->data_ptr<uint8_t>() : nullptr;
   const auto with_x = [&](auto xt) {
     using X = decltype(xt);
-    if (pairs) return dispatch<c10::BFloat16, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb);
-    if (st == at::kHalf) return dispatch<at::Half, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb);
-    return dispatch<float, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb);
+    if (pairs) return dispatch<c10::BFloat16, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb, int8_x);
+    if (st == at::kHalf) return dispatch<at::Half, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb, int8_x);
+    return dispatch<float, X>(x, packed, scale_min, group_size, block_rows, bias, out, hb, int8_x);
   };
   return x.scalar_type() == at::kFloat ? with_x(float{}) : with_x(c10::BFloat16{});
+#else
+  return false;
+#endif
+}
+
+// Whether int8_x runs on this CPU with this build (64-row blocks, groups of a multiple of 4 inputs).
+bool int8_dot_products() {
+#if defined(ORBITAL_INT8_DOT)
+  return int8_dot_runs();
 #else
   return false;
 #endif

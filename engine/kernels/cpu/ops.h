@@ -21,7 +21,8 @@ bool small_linear(torch::Tensor x, torch::Tensor w, std::optional<torch::Tensor>
 bool small_linear_rows16(torch::Tensor x, torch::Tensor wp, std::optional<torch::Tensor> bias, torch::Tensor out);
 bool int4_small_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale_min, int64_t group_size,
                        int64_t block_rows, std::optional<torch::Tensor> bias, torch::Tensor out,
-                       std::optional<torch::Tensor> hi_bits = std::nullopt);
+                       std::optional<torch::Tensor> hi_bits = std::nullopt, bool int8_x = false);
+bool int8_dot_products();
 bool int4_dequantize(torch::Tensor packed, torch::Tensor scales, int64_t group_size, int64_t block_rows,
                      torch::Tensor out, std::optional<torch::Tensor> hi_bits = std::nullopt);
 bool rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t head_dim);

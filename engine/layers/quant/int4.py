@@ -143,14 +143,38 @@ def small_rows() -> int:
 
 def _op_rows(ops: ModuleType, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """int4_small_linear over x's rows in chunks of OP_ROWS (into one output), or None where it
-    declines."""
+    declines. A weight marked by mark_int8_activations takes them rounded to int8."""
     y = x.new_empty(x.shape[0], weight.out_features)
     hi_bits, rows = getattr(weight, "hi_bits", None), pack_layout()[1]
+    int8_x = getattr(weight, "int8_activations", False)
     for c in range(0, x.shape[0], OP_ROWS):
         part = slice(c, c + OP_ROWS)
-        if not ops.int4_small_linear(x[part], weight, scales, weight.group_size, rows, None, y[part], hi_bits):
+        if not ops.int4_small_linear(x[part], weight, scales, weight.group_size, rows, None, y[part], hi_bits, int8_x):
             return None
     return y
+
+
+def int8_dot_runs() -> bool:
+    """Whether the few-row op takes int8 activations here (kernels/cpu/int4_int8_dot.h: AVX-512
+    VNNI, VBMI and BITALG, PyTorch's 64-row pack)."""
+    ops = small_linear_ops()
+    return ops is not None and pack_layout()[1] == 64 and bool(ops.int8_dot_products())
+
+
+def mark_int8_activations(model: torch.nn.Module) -> int:
+    """The `int8_activations` setting: every packed int4 weight of `model` (4- and 5-bit values,
+    8-bit ones as two nibbles) has the few-row op round each activation row to int8 per group and
+    multiply with integer dot products, as llama.cpp does (kernels/cpu/int4_int8_dot.h). Steps of
+    more than CHUNKED_ROWS rows still widen the weight for a GEMM. Returns how many weights."""
+    if not int8_dot_runs():
+        raise ValueError("int8_activations needs AVX-512 VNNI, VBMI and BITALG and the C++ CPU ops")
+    marked = set()
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dtype == torch.uint8 and w.is_cpu and hasattr(w, "group_size"):
+            w.int8_activations = True
+            marked.add(id(w))
+    return len(marked)
 
 
 def _few_rows_op(x2: torch.Tensor, xb: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
