@@ -69,17 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--int8-activations",
-        action="store_true",
-        help="add the file's blocks on int8 activations (prompt steps of 256 tokens: the few-row op's, where they apply)",
-    )
+    p.add_argument("--int8-activations", action="store_true", help="add the file's blocks on int8 activations")
     a = p.parse_args(argv)
     rows = []
     blocks, n = orbital_perplexity(a.gguf, a.ctx, a.chunks, a.threads, dtype="float32", quantization="gguf")
     rows.append(("Orbital, the file's own blocks", blocks, f"{n} tokens scored"))
     if a.int8_activations:
-        kw = dict(dtype="float32", quantization="gguf", int8_activations=True, max_num_batched_tokens=256)
+        kw = dict(dtype="float32", quantization="gguf", int8_activations=True)
         ppl, n = orbital_perplexity(a.gguf, a.ctx, a.chunks, a.threads, **kw)
         rows.append(("Orbital, the file's own blocks, int8 activations", ppl, f"{n} tokens scored"))
     dequant, n = orbital_perplexity(a.gguf, a.ctx, a.chunks, a.threads, dtype="float32")

@@ -12,7 +12,7 @@ import torch
 
 from engine.layers.quant.blocks import BlockQuantized
 from engine.layers.quant.int4_format import dequantize_int4, pack_int4, pack_layout, quantize_int4
-from tests.engine.test_int4_small_linear import assert_matches, pack_rows, pytorch_weight
+from tests.engine.test_int4_small_linear import assert_matches, pack_rows, pytorch_weight, q8_0_two_nibbles
 from tests.engine.test_small_linear import vector
 
 
@@ -100,10 +100,7 @@ def test_two_nibbles_read_the_rounded_rows_twice(ops, m):
     """A Q8_0 weight as two nibbles (inputs 2k, x twice over): both halves round alike."""
     g = torch.Generator().manual_seed(m)
     n, k = 160, 576
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
-    blocks = BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0")
-    w = pack_int4(*blocks.as_nibbles(split=True), 32, split=True)
+    blocks, w = q8_0_two_nibbles(n, k, g)
     x = torch.randn(m, k, generator=g)
     out = run_int8(ops, x, w)
     if not runs(ops):
@@ -162,3 +159,24 @@ def test_the_setting_needs_quantized_weights_and_the_cpu_for_it():
     if not int8_dot_runs():
         with pytest.raises(InvalidRequestError, match="VNNI"):
             LLM(int8_activations=True, quantization="int4", num_threads=1)
+
+
+@pytest.mark.parametrize("two_nibbles", [False, True])
+def test_a_marked_weight_takes_the_op_at_every_row_count(ops, two_nibbles):
+    """int4_linear runs a weight marked by mark_int8_activations through the op in 64-row chunks
+    at 300 rows too (no widened GEMM past CHUNKED_ROWS, no float32 GEMM for 8-bit values), bit
+    for bit what the op gives each chunk alone."""
+    from engine.layers.quant.int4 import exact_mode, int4_linear, op_scales
+
+    g = torch.Generator().manual_seed(3)
+    if two_nibbles:
+        w = q8_0_two_nibbles(96, 576, g)[1]
+    else:
+        w = quantize_int4(torch.randn(96, 576, generator=g), 32)
+    x = torch.randn(300, 576, generator=g)
+    if not runs(ops):
+        return
+    w.int8_activations = True
+    xin = x if exact_mode() else x.bfloat16().float()  # what int4_linear hands the op
+    want = torch.cat([run_int8(ops, xin[c : c + 64], w, scale_min=op_scales(w)) for c in range(0, 300, 64)])
+    assert torch.equal(int4_linear(x, w), want)

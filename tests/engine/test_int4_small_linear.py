@@ -94,10 +94,7 @@ def test_op_two_nibbles_q8_0(ops, m, xdt):
     """A Q8_0 weight as two nibbles (K' = 2 * in_features): the op reads x twice over."""
     g = torch.Generator().manual_seed(m)
     n, k = 160, 576
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
-    blocks = BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0")
-    w = pack_int4(*blocks.as_nibbles(split=True), 32, split=True)
+    blocks, w = q8_0_two_nibbles(n, k, g)
     assert w.two_nibbles and w.shape == (192, k) and w.scale_min.dtype == torch.float16
     x = torch.randn(m, k, generator=g).to(xdt)
     out = run_op(ops, x, w)
@@ -105,6 +102,14 @@ def test_op_two_nibbles_q8_0(ops, m, xdt):
         assert not vector(ops)
         return
     assert_matches(out, x, blocks.dequantize(), None)
+
+
+def q8_0_two_nibbles(n: int, k: int, g: torch.Generator) -> tuple[BlockQuantized, torch.Tensor]:
+    """Random Q8_0 blocks (float16 scales per 32 inputs) and their two-nibble pack."""
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    blocks = BlockQuantized(q, d, torch.zeros_like(d), bits=8, kind="Q8_0")
+    return blocks, pack_int4(*blocks.as_nibbles(split=True), 32, split=True)
 
 
 def pytorch_weight(w):
