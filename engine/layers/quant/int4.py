@@ -22,6 +22,9 @@ ORBITAL_INT4_SMALL_LINEAR=0 turns the op off.
 
 5-bit weights (int4_format.py `.hi_bits`) are packed only where the C++ ops take every row count
 (five_bit_runs): PyTorch's kernel has no high bits.
+
+With the `int8_activations` setting (mark_int8_activations) every marked weight runs through the
+op at every row count on activations rounded to int8 (kernels/cpu/int4_int8_dot.h).
 """
 
 from __future__ import annotations
