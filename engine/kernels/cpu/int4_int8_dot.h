@@ -1,4 +1,4 @@
-// int8 activations for the few-row int4 op (int4_linear.cpp; the `activation_dtype="int8"` engine
+// int8 activations for the few-row int4 op (int4_linear.cpp; the `int8_activations` engine
 // setting): each input row is rounded per weight group to int8 with one float32 scale
 // (x ~ d * q, d = max|x| / 127, as llama.cpp's Q8 blocks), and a group's sum of q_w * q_x is an
 // exact int32 from AVX-512 VNNI's u8 x s8 dot products (64 multiply-adds per instruction, against
@@ -79,9 +79,6 @@ static Int8DotTables make_int8_dot_tables() {
 }
 static const Int8DotTables kInt8Dot = make_int8_dot_tables();
 
-// Rows [0, M) of 64-row block blk into racc ([M][64] float32), from the int8 rows xq (row i at
-// xq + i * kw), their scales d and d * sum(q) ([M][groups]); load_scales(g, n, sc, mn): the scale
-// and min of rows [n, n + 16) in group g.
 // acc += u8 w . s8 x per 32-bit lane, in place. As an intrinsic GCC copied each accumulator out
 // and back around every instruction and kept some on the stack: ~75 instructions per 16 dot
 // products, against 16 + ~20 this way.
@@ -89,9 +86,13 @@ ORBITAL_INT8_TARGET static inline void dpbusd(__m512i& acc, __m512i w, __m512i x
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
 }
 
+// Rows [0, M) of 64-row block blk into racc ([M][64] float32), from the int8 rows xq (row i at
+// xq + i * kw), their scales d and d * sum(q) ([M][groups]); load_scales(g, n, sc, mn): the scale
+// and min of rows [n, n + 16) in group g.
 template <int M, bool FIVE, typename LoadScales>
-ORBITAL_INT8_TARGET void block_int8(const uint8_t* w, const uint8_t* hb, int64_t kw, int64_t groups, int64_t gs, const int8_t* xq, const float* d, const float* d_qsum, int64_t blk,
-                                    float* racc, LoadScales load_scales) {
+ORBITAL_INT8_TARGET void block_int8(const uint8_t* w, const uint8_t* hb, int64_t kw, int64_t groups, int64_t gs,
+                                    const int8_t* xq, const float* d, const float* d_qsum, int64_t blk, float* racc,
+                                    LoadScales load_scales) {
   const uint8_t* wb = w + blk * kw * 32;
   const uint8_t* hbb = FIVE ? hb + blk * kw * 8 : nullptr;
   const int64_t n0 = blk * 64;

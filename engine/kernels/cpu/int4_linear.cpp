@@ -393,18 +393,19 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
     float* f = xf.data() + i * kw;
     for (int64_t j = 0; j < k; ++j) f[j] = static_cast<float>(row[j]);
     if (kw != k) std::memcpy(f + k, f, k * sizeof(float));
-    for (int64_t g = 0; g < groups; ++g) xsum[i * groups + g] = group_sum(f + g * gs, gs);
+    if (!int8_x)  // the int8 path sums its rounded rows instead (quantize_rows)
+      for (int64_t g = 0; g < groups; ++g) xsum[i * groups + g] = group_sum(f + g * gs, gs);
   }
   // bf16 x for the dot-product path (block_dp): the same values, paired along k.
   std::vector<uint16_t> xb;
 #if defined(ORBITAL_SIMD16_AVX512) && defined(__AVX512BF16__)
-  if (std::is_same_v<X, c10::BFloat16> && block_rows == 64 && gs % 2 == 0) {
+  if (std::is_same_v<X, c10::BFloat16> && block_rows == 64 && gs % 2 == 0 && !int8_x) {
     xb.resize(m * kw);
     for (int64_t i = 0; i < m; ++i)
       for (int64_t c = 0; c < kw; c += k) std::memcpy(&xb[i * kw + c], xp + i * x.stride(0), k * sizeof(X));
   }
 #endif
-  const uint16_t* xbp = xb.empty() || int8_x ? nullptr : xb.data();
+  const uint16_t* xbp = xb.empty() ? nullptr : xb.data();
   const S* sm = scale_min.data_ptr<S>();
   Args<S> a{xf.data(), xsum.data(), packed.data_ptr<uint8_t>(), sm, kw, groups, gs, np, hb, scale_min.dim() == 4};
 #if defined(ORBITAL_INT8_DOT)
@@ -412,7 +413,6 @@ bool dispatch(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   if (int8_x) {
     quantize_rows(xf.data(), m, kw, gs, xi);
     a.xq = xi.q.data(), a.xd = xi.d.data(), a.xd_qsum = xi.d_qsum.data();
-    xbp = nullptr;
   }
 #endif
   const X* bp = bias ? bias->data_ptr<X>() : nullptr;
