@@ -11,6 +11,9 @@ replica -> ingress (the output channel, one streaming call per (ingress, replica
     that ingress's requests, plus the requests that failed, plus the replica's KV event
     batches of those steps (ahead of the outputs: the cache-aware router knows a request's
     blocks by the time its output arrives), as one pickled bytes object.
+  * `ChannelSocket` (ingress -> replica, with the call): the ingress's local socket and this
+    call's token; a replica on the same node writes its `StepOutputs` there instead, and the call
+    yields only a `ChannelSocketEnd` with the count written (router/channel_socket.py).
 replica -> ingress (the KV event feed, `kv_events`, one short-lived streaming call at a time):
   * `KVEventsUpdate`: a snapshot of the replica's cached block hashes (first contact, a gap,
     a restarted engine) and/or the batches since the last one the ingress saw.
@@ -127,18 +130,33 @@ class StepOutputs:
 
 
 @dataclass(frozen=True, slots=True)
+class ChannelSocket:
+    node_id: str  # the ingress's Ray node: only a replica on it can reach the socket
+    address: str  # an abstract-namespace Unix socket name
+    token: str  # this call's: the first frame of its connection
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSocketEnd:
+    frames: int  # StepOutputs written to the socket by this call
+
+
+@dataclass(frozen=True, slots=True)
 class KVEventsUpdate:
     snapshot: KVSnapshot | None  # the state to start from (then `batches` follow it)
     batches: list[KVEventBatch]
 
 
-def encode(msg: StepOutputs | KVEventsUpdate) -> bytes:
+def encode(msg: StepOutputs | ChannelSocketEnd | KVEventsUpdate) -> bytes:
     # C pickle of small dataclasses costs a few microseconds each; Ray then ships one bytes object.
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def decode(payload: bytes, kind: type = StepOutputs) -> StepOutputs | KVEventsUpdate:
+def decode(
+    payload: bytes, kind: type | tuple[type, ...] = StepOutputs
+) -> StepOutputs | ChannelSocketEnd | KVEventsUpdate:
     msg = pickle.loads(payload)  # only from our own replicas
-    if type(msg) is not kind:
-        raise TypeError(f"message is a {type(msg).__name__}, not {kind.__name__}")
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if type(msg) not in kinds:
+        raise TypeError(f"message is a {type(msg).__name__}, not {' or '.join(k.__name__ for k in kinds)}")
     return msg

@@ -254,6 +254,17 @@ def render_pools(
             "Requests whose replica failed and that could not move (max_migrations).",
             router.get("migration_failures", 0),
         )
+        # Output channels (router/channel_socket.py): engine-step messages by the way they came.
+        counter(
+            "router_output_socket_messages",
+            "Engine-step output messages read from this router's local socket (replicas on its node).",
+            router.get("channel_socket_messages", 0),
+        )
+        counter(
+            "router_output_call_messages",
+            "Engine-step output messages that came over Ray streaming calls (replicas on other nodes).",
+            router.get("channel_call_messages", 0),
+        )
         counter(
             "num_requests_rejected",
             "Requests rejected with 429 (overload), router and replicas.",

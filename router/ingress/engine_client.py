@@ -122,6 +122,8 @@ class EngineClient:
             **self.queue.stats(),
             "migrations": self.migrations,
             "migration_failures": self.migration_failures,
+            "channel_socket_messages": self.channels.socket.frames,
+            "channel_call_messages": self.channels.call_messages,
         }
 
     async def text_work(self, num_requests: int, fn: Callable[..., T], *args: Any) -> T:

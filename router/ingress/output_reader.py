@@ -2,7 +2,8 @@
 engine replica this ingress has requests on, handing each decoded `StepOutputs` to a callback.
 
 A channel is opened (a streaming call pinned to the replica) when the first request there is
-attached, and reopened while requests remain when the replica ended it; the replica ends it
+attached (a replica on this node writes the outputs to this ingress's local socket instead of
+yielding them: router/channel_socket.py), and reopened while requests remain when the replica ended it; the replica ends it
 once this ingress has nothing left there, so an idle ingress holds no call open (Serve's graceful
 drain on scale-down waits for open calls).
 """
@@ -17,7 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
-from router.messages import StepOutputs, decode
+from router.channel_socket import ChannelListener
+from router.messages import ChannelSocketEnd, StepOutputs, decode
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -43,6 +45,8 @@ class OutputReader:
         # pinned call (a lease renewal) can reach, asks it whether this ingress lives.
         self.actor = _current_actor()
         self.on_batch, self.on_error = on_batch, on_error
+        self.socket = ChannelListener(_current_node(), lambda replica, msg: self.on_batch(replica, msg))
+        self.call_messages = 0  # StepOutputs that came over the calls (stats; the socket counts its own)
         self.active: dict[str, set[str]] = {}  # replica id -> request ids waiting for outputs
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -69,16 +73,28 @@ class OutputReader:
         empty = 0  # channel calls in a row that brought nothing
         try:
             while replica in self.active:
-                gen = self.stream_handle.output_channel.remote(self.ingress_id, replica_id=replica, router=self.actor)
+                sock = await self.socket.open(replica)
+                gen = self.stream_handle.output_channel.remote(
+                    self.ingress_id, replica_id=replica, router=self.actor, socket=sock
+                )
                 got = False
                 try:
                     async for payload in gen:
+                        msg = decode(payload, (StepOutputs, ChannelSocketEnd))
+                        if type(msg) is ChannelSocketEnd:  # the rest came over the socket
+                            await self.socket.wait_for(sock, msg.frames)
+                            got = got or msg.frames > 0
+                            continue
                         got = True
-                        self.on_batch(replica, decode(payload))
+                        self.call_messages += 1
+                        self.on_batch(replica, msg)
                 except asyncio.CancelledError:
                     if asyncio.current_task().cancelling():
                         raise  # close(): this ingress is going away
                     # The call was cancelled on its own (not by us): open it again.
+                finally:
+                    if sock is not None:
+                        self.socket.forget(sock)
                 empty = 0 if got else empty + 1
                 if empty and replica in self.active:
                     # The replica has nothing for requests we still wait for: it lost them
@@ -99,6 +115,14 @@ class OutputReader:
     def close(self) -> None:
         for t in list(self._tasks.values()):
             t.cancel()
+        self.socket.close()
+
+
+def _current_node() -> str | None:
+    """This process's Ray node id; None outside Ray (no replica could tell it is on the same node)."""
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 def _current_actor() -> ActorHandle | None:

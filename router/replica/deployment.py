@@ -46,14 +46,18 @@ from engine.errors import EngineDeadError, InvalidRequestError
 from engine.model.text_side import text_side_files
 from engine.request import child_request_ids, parent_request_id
 from router.backpressure import ReplicaQueue
+from router.channel_socket import ChannelWriter
 from router.messages import (
     AbortRequest,
+    ChannelSocket,
+    ChannelSocketEnd,
     ExportCachedKV,
     FinishSequences,
     PrefillKV,
     PrefillKVDone,
     SubmitRequest,
     TextSideFiles,
+    encode,
 )
 from router.metrics import new_histograms
 from router.replica.job import Job
@@ -171,22 +175,37 @@ class EngineReplica(RouterLeases, ReplicaStats):
         return self.replica_id
 
     async def output_channel(
-        self, ingress_id: str, replica_id: str | None = None, router: ActorHandle | None = None
+        self,
+        ingress_id: str,
+        replica_id: str | None = None,
+        router: ActorHandle | None = None,
+        socket: ChannelSocket | None = None,
     ) -> AsyncIterator[bytes]:
         """Streaming: every output of `ingress_id`'s requests here, one encoded StepOutputs per
         engine step (see `router/replica/outbox.py`); ends when that ingress has nothing left here.
-        `router`: the ingress's own actor, asked whether it lives when its lease runs out."""
+        `router`: the ingress's own actor, asked whether it lives when its lease runs out.
+        `socket`: the ingress's local socket: on its node the StepOutputs go there and the call
+        yields one ChannelSocketEnd at its end (router/channel_socket.py)."""
         box = self._outboxes.get(ingress_id)
         if box is None:
             return
         if router is not None:
             box.router = router
+        writer = await ChannelWriter.connect(socket, self.node_id)
         try:
             async with contextlib.aclosing(box.messages()) as batches:  # closed at once if cancelled
                 async for payload in batches:
                     self.channel_messages += 1
-                    yield payload
+                    if writer is None:
+                        yield payload
+                    elif not await writer.send(payload):
+                        break  # the ingress is gone: its lease ends its requests here
+            if writer is not None:
+                await writer.close()
+                yield encode(ChannelSocketEnd(writer.frames))
         finally:
+            if writer is not None:
+                await writer.close()
             self._drop_outbox_when_done(ingress_id, box)
 
     def _drop_outbox_when_done(self, ingress_id: str, box: Outbox) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import pickle
 import time
 
 import pytest
@@ -110,7 +111,7 @@ class _FakeChannelHandle:
         self.script, self.calls = script, []
         self.output_channel = self
 
-    def remote(self, router_id: str, replica_id: str | None = None, router=None):
+    def remote(self, router_id: str, replica_id: str | None = None, router=None, socket=None):
         self.calls.append(replica_id)
         batches = self.script.pop(0) if self.script else []
 
@@ -275,4 +276,119 @@ def test_a_request_started_while_the_channel_lingers_rides_that_channel(replica)
         return tokens
 
     assert asyncio.run(run()) == {"seq-0": 4, "seq-1": 4}
+    assert not replica._outboxes and not replica._jobs
+
+
+# --- the same-node socket (router/channel_socket.py) ----------------------------------------
+
+
+_UNPICKLED: list[bool] = []
+
+
+def _flag_unpickled():
+    _UNPICKLED.append(True)
+
+
+class _Unpickled:
+    def __reduce__(self):  # unpickling it leaves a mark
+        return (_flag_unpickled, ())
+
+
+def _listener():
+    from router.channel_socket import ChannelListener
+
+    got: list[tuple[str, list]] = []
+    return ChannelListener("node-a", lambda rep, msg: got.append((rep, msg.outputs))), got
+
+
+def test_socket_frames_arrive_in_order_and_are_counted():
+    from router.channel_socket import ChannelWriter
+
+    async def run():
+        listener, got = _listener()
+        sock = await listener.open("A")
+        writer = await ChannelWriter.connect(sock, "node-a")
+        for i in range(50):
+            assert await writer.send(encode(StepOutputs([f"x{i}"])))
+        await writer.close()
+        await asyncio.wait_for(listener.wait_for(sock, 50), 5)
+        listener.forget(sock)
+        listener.close()
+        return got, listener.frames
+
+    got, frames = asyncio.run(run())
+    assert got == [("A", [f"x{i}"]) for i in range(50)] and frames == 50
+
+
+def test_socket_is_not_used_across_nodes_or_without_a_token():
+    """A replica on another node sends over the call; a connection whose first frame is not a
+    live call's token is closed before any of its frames is unpickled."""
+    from router.channel_socket import HEADER, ChannelWriter
+
+    async def run():
+        listener, got = _listener()
+        sock = await listener.open("A")
+        assert await ChannelWriter.connect(sock, "node-b") is None
+        reader, writer = await asyncio.open_unix_connection(sock.address)
+        bad = b"0" * 32
+        payload = pickle.dumps(_Unpickled())
+        writer.write(HEADER.pack(len(bad)) + bad + HEADER.pack(len(payload)) + payload)
+        eof = await asyncio.wait_for(reader.read(), 5)  # the listener hangs up
+        listener.forget(sock)  # an ended call's token is refused too
+        late = await ChannelWriter.connect(sock, "node-a")
+        await late.send(payload)
+        await late.close()
+        await asyncio.sleep(0.1)
+        listener.close()
+        writer.close()
+        return eof, got
+
+    eof, got = asyncio.run(run())
+    assert eof == b"" and got == [] and not _UNPICKLED
+
+
+def test_socket_lost_before_every_frame_arrived_is_an_error():
+    from router.channel_socket import ChannelLostError, ChannelWriter
+
+    async def run():
+        listener, _ = _listener()
+        sock = await listener.open("A")
+        writer = await ChannelWriter.connect(sock, "node-a")
+        await writer.send(encode(StepOutputs(["x"])))
+        await writer.close()  # the replica reports 2 frames, 1 arrives
+        with pytest.raises(ChannelLostError):
+            await asyncio.wait_for(listener.wait_for(sock, 2), 5)
+        listener.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_replica_channel_over_the_socket_ends_with_its_count(replica):
+    """A replica on the ingress's node writes every step to the socket; the call yields only
+    the count, and the outputs add up to every token of every request."""
+    from router.channel_socket import ChannelListener
+    from router.messages import ChannelSocketEnd
+
+    ids = replica.engine.tokenizer("Tell me about the hills.").input_ids
+
+    async def run():
+        got: list = []
+        listener = ChannelListener(replica.node_id, lambda rep, msg: got.extend(msg.outputs))
+        for i in range(2):
+            await replica.submit(SubmitRequest(f"so-{i}", ids, _params(6), "router-s", time.time()))
+        sock = await listener.open("local")
+        calls = [
+            decode(p, (StepOutputs, ChannelSocketEnd)) async for p in replica.output_channel("router-s", socket=sock)
+        ]
+        assert len(calls) == 1 and type(calls[0]) is ChannelSocketEnd and calls[0].frames > 0, calls
+        await asyncio.wait_for(listener.wait_for(sock, calls[0].frames), 5)
+        listener.close()
+        return got, calls[0].frames, listener.frames
+
+    got, frames, received = asyncio.run(run())
+    tokens: dict[str, int] = {}
+    for out in got:
+        tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
+    assert tokens == {"so-0": 6, "so-1": 6} and frames == received
     assert not replica._outboxes and not replica._jobs
