@@ -2,9 +2,12 @@
 concurrency 1 to 16: `--compare spare`, with and without a spare core for small steps
 (engine/step_threads.py); `--compare spin`, the served engine's OpenMP spin (GOMP_SPINCOUNT
 200000, router/serve_tuning.py) against the offline default of 2000; `--compare ingress`, the
-router replica serving HTTP itself (router/direct_ingress.py) against Serve's proxy relaying it.
+router replica serving HTTP itself (router/direct_ingress.py) against Serve's proxy relaying it;
+`--compare channel`, engine outputs through the router's local socket (router/channel_socket.py)
+against the Ray streaming call carrying them.
 
-    python -m bench.bench_spare_core [--compare spare|spin|ingress] [--quantization gguf] [--rounds 2]
+    python -m bench.bench_spare_core [--compare spare|spin|ingress|channel] [--quantization gguf] [--rounds 2]
+    python -m bench.bench_spare_core --compare channel --model q4km.gguf --int8-activations --levels 1,8
 
 One `orbital serve` at a time on this machine (two Ray clusters would share the cores): per
 round, the server with the first setting and then with the second each start, run every level,
@@ -28,6 +31,7 @@ COMPARE = {
     "spare": {"no spare core": ("--spare-core-max-tokens 0", {}), "spare core (4)": ("--spare-core-max-tokens 4", {})},
     "spin": {"spin 200000": ("", {}), "spin 2000": ("", {"GOMP_SPINCOUNT": "2000"})},
     "ingress": {"direct ingress": ("", {}), "serve proxy": ("--serve-proxy", {})},
+    "channel": {"local socket": ("", {}), "ray call": ("", {"ORBITAL_CHANNEL_SOCKET": "0"})},
 }
 
 
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", choices=sorted(COMPARE), default="spare")
     p.add_argument("--quantization", default="gguf", help="Orbital's weights ('none' for the model dtype)")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--model", default=None, help="a model directory or GGUF (default: the embedded model)")
+    p.add_argument("--int8-activations", action="store_true", help="quantized linears on int8 activations")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--levels", default="1,2,4,8,16")
     p.add_argument("--max-output", type=int, default=128)
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = specs_for("mixed", 32, a.max_output, load_counter("smollm2"), 0)
     levels = [int(x) for x in a.levels.split(",")]
     quant = "" if a.quantization == "none" else f" --quantization {a.quantization}"
+    quant += (f" --model {a.model}" if a.model else "") + (" --int8-activations" if a.int8_activations else "")
     settings = COMPARE[a.compare]
     results: dict[tuple[str, int], list[dict]] = {}
     for r in range(a.rounds):

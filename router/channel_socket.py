@@ -16,13 +16,16 @@ The socket is an abstract-namespace Unix socket (Linux: no file to clean up, gon
 process). Frames are a 4-byte little-endian length and the pickled message; the first frame of a
 connection is the channel call's token, a random string only that call carries: a connection
 with any other first frame is closed before anything of it is unpickled. A replica on another
-node, or one that cannot connect, sends over the Ray call as before.
+node, or one that cannot connect, sends over the Ray call as before. `ORBITAL_CHANNEL_SOCKET=0`
+(the router's environment) sends everything over the calls (`bench.bench_spare_core --compare
+channel` measures one against the other).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -41,6 +44,10 @@ MAX_FRAME_BYTES = 1 << 30
 FRAMES_DUE_S = 30.0
 # The replica waits for the ingress to read once this much is unread on its side.
 DRAIN_ABOVE_BYTES = 1 << 20
+
+
+def socket_enabled() -> bool:
+    return os.environ.get("ORBITAL_CHANNEL_SOCKET", "1") != "0"
 
 
 class ChannelLostError(ConnectionError):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import ray
 
-from router.channel_socket import ChannelListener
+from router.channel_socket import ChannelListener, socket_enabled
 from router.messages import ChannelSocketEnd, StepOutputs, decode
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ class OutputReader:
         # pinned call (a lease renewal) can reach, asks it whether this ingress lives.
         self.actor = _current_actor()
         self.on_batch, self.on_error = on_batch, on_error
-        self.socket = ChannelListener(_current_node(), lambda replica, msg: self.on_batch(replica, msg))
+        node = _current_node() if socket_enabled() else None
+        self.socket = ChannelListener(node, lambda replica, msg: self.on_batch(replica, msg))
         self.call_messages = 0  # StepOutputs that came over the calls (stats; the socket counts its own)
         self.active: dict[str, set[str]] = {}  # replica id -> request ids waiting for outputs
         self._tasks: dict[str, asyncio.Task] = {}
