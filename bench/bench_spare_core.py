@@ -12,7 +12,9 @@ against the Ray streaming call carrying them.
 One `orbital serve` at a time on this machine (two Ray clusters would share the cores): per
 round, the server with the first setting and then with the second each start, run every level,
 and stop. Same client (`loadtest`), greedy, outputs capped at `--max-output`,
-32 mixed requests (4 at concurrency 1). Medians over rounds, and the ratio first / second.
+32 mixed requests (4 at concurrency 1). Medians over rounds, and the ratio first / second, with
+the CPU each output token cost the router replica and all the server's processes but the engine
+replica (Ray's, Serve's controller and proxy, the router).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import statistics
 import sys
 
+from bench.bench_http import cpu_timed
 from bench.bench_llamacpp import free_port, measure, specs_for
 from loadtest.server import ServerProcess
 from loadtest.tokens import load_counter
@@ -64,17 +67,28 @@ def main(argv: list[str] | None = None) -> int:
             with ServerProcess(cmd, url, log_path="/tmp/bench_spare_core.log", env=env):
                 measure(specs[:4], url, None)  # warm-up
                 for lv in levels:
-                    m = measure(specs[:4] if lv == 1 else specs, url, lv)
+                    work = specs[:4] if lv == 1 else specs
+                    m = cpu_timed(lambda: measure(work, url, lv), exclude=set())
+                    tokens = sum(s.max_tokens for s in work)  # forced: ignore_eos
+                    m["router_ms"] = m["cpu_by_process"].get("ingress", 0.0) / tokens * 1e3
+                    m["serving_ms"] = m["serving_cpu_s"] / tokens * 1e3
                     results.setdefault((name, lv), []).append(m)
-                    print(f"round {r} {name} c{lv}: {m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50']:.1f} ms", flush=True)
+                    print(
+                        f"round {r} {name} c{lv}: {m['tok_s']:.1f} tok/s, ITL p50 {m['itl_p50']:.1f} ms, "
+                        f"CPU per token: router {m['router_ms']:.2f} ms, all but the engine {m['serving_ms']:.2f} ms",
+                        flush=True,
+                    )
     print(f"\n{a.quantization} weights, {a.threads} threads, medians of {a.rounds} rounds\n")
-    print("| concurrency | " + " | ".join(f"{n}: tok/s, ITL p50 ms" for n in settings) + " | tok/s ratio |")
+    cols = "tok/s, ITL p50 ms, router / non-engine CPU ms per token"
+    print("| concurrency | " + " | ".join(f"{n}: {cols}" for n in settings) + " | tok/s ratio |")
     print("|---|" + "---|" * (len(settings) + 1))
+    keys = ("tok_s", "itl_p50", "router_ms", "serving_ms")
     for lv in levels:
-        med = {
-            n: {k: statistics.median(m[k] for m in results[(n, lv)]) for k in ("tok_s", "itl_p50")} for n in settings
-        }
-        cells = [f"{med[n]['tok_s']:.1f}, {med[n]['itl_p50']:.1f}" for n in settings]
+        med = {n: {k: statistics.median(m[k] for m in results[(n, lv)]) for k in keys} for n in settings}
+        cells = [
+            f"{med[n]['tok_s']:.1f}, {med[n]['itl_p50']:.1f}, {med[n]['router_ms']:.2f} / {med[n]['serving_ms']:.2f}"
+            for n in settings
+        ]
         first, second = (med[n]["tok_s"] for n in settings)
         print(f"| c{lv} | " + " | ".join(cells) + f" | {first / second:.2f}x |")
     return 0
