@@ -42,6 +42,8 @@ MAX_FRAME_BYTES = 1 << 30
 # How long the ingress waits for frames the replica reported sent before taking them for lost
 # (they were written before the report, over a local socket: normally microseconds).
 FRAMES_DUE_S = 30.0
+# A connection's first frame (the token) must come this soon: the replica writes it on connecting.
+HELLO_DUE_S = 5.0
 # The replica waits for the ingress to read once this much is unread on its side.
 DRAIN_ABOVE_BYTES = 1 << 20
 
@@ -118,10 +120,11 @@ class ChannelListener:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         ch = None
         try:
-            (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-            if n > MAX_TOKEN_BYTES:
-                return
-            ch = self._channels.get((await reader.readexactly(n)).decode(errors="replace"))
+            try:
+                token = await asyncio.wait_for(_read_token(reader), HELLO_DUE_S)
+            except TimeoutError:
+                return  # a connection that names no call holds no descriptor here
+            ch = self._channels.get(token) if token is not None else None
             if ch is None or ch.ended:
                 return  # not a call of ours (or one that ended): nothing of it is read
             while True:
@@ -142,6 +145,13 @@ class ChannelListener:
                 ch.ended = True
                 ch.changed.set()
             writer.close()
+
+
+async def _read_token(reader: asyncio.StreamReader) -> str | None:
+    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+    if n > MAX_TOKEN_BYTES:
+        return None
+    return (await reader.readexactly(n)).decode(errors="replace")
 
 
 class ChannelWriter:

@@ -392,3 +392,21 @@ def test_replica_channel_over_the_socket_ends_with_its_count(replica):
         tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
     assert tokens == {"so-0": 6, "so-1": 6} and frames == received
     assert not replica._outboxes and not replica._jobs
+
+
+def test_socket_hangs_up_on_a_connection_that_names_no_call(monkeypatch):
+    """A local process that connects and sends nothing does not keep a descriptor open."""
+    import router.channel_socket as cs
+
+    monkeypatch.setattr(cs, "HELLO_DUE_S", 0.2)
+
+    async def run():
+        listener, _ = _listener()
+        sock = await listener.open("A")
+        reader, writer = await asyncio.open_unix_connection(sock.address)
+        eof = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        listener.close()
+        return eof
+
+    assert asyncio.run(run()) == b""
