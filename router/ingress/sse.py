@@ -34,7 +34,8 @@ class WriteDeadlineResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
             try:
-                await asyncio.wait_for(send(message), self.write_timeout_s)
+                async with asyncio.timeout(self.write_timeout_s):  # no task per write, as wait_for makes
+                    await send(message)
             except TimeoutError:
                 raise OSError(f"the client read nothing for {self.write_timeout_s:g} s") from None
 
