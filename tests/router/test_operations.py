@@ -50,6 +50,9 @@ def test_metrics_move_with_traffic(base_url):
     assert after["orbital:inter_token_latency_seconds_count"] >= before["orbital:inter_token_latency_seconds_count"] + 8
     assert after["orbital:e2e_request_latency_seconds_count"] >= before["orbital:e2e_request_latency_seconds_count"] + 2
     assert after["orbital:prefix_cache_queries_total"] > before["orbital:prefix_cache_queries_total"]
+    # Every replica runs on the router's node: the outputs came over its local socket, none as call items.
+    socket, call = "orbital:router_output_socket_messages_total", "orbital:router_output_call_messages_total"
+    assert after[socket] >= before[socket] + 2 and after[call] == before[call] == 0
     assert (
         after["orbital:request_success_total{finished_reason=length}"]
         >= before["orbital:request_success_total{finished_reason=length}"] + 2
