@@ -2,10 +2,10 @@
 engine replica this ingress has requests on, handing each decoded `StepOutputs` to a callback.
 
 A channel is opened (a streaming call pinned to the replica) when the first request there is
-attached (a replica on this node writes the outputs to this ingress's local socket instead of
-yielding them: router/channel_socket.py), and reopened while requests remain when the replica ended it; the replica ends it
+attached, and reopened while requests remain when the replica ended it; the replica ends it
 once this ingress has nothing left there, so an idle ingress holds no call open (Serve's graceful
-drain on scale-down waits for open calls).
+drain on scale-down waits for open calls). A replica on this node writes the outputs to this
+ingress's local socket instead of yielding them (router/channel_socket.py).
 """
 
 from __future__ import annotations
